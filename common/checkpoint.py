@@ -1,0 +1,118 @@
+"""Checkpoints that are never half-written: Hugging Face model exports and full training state that resumes exactly.
+
+Everything is first written under a temporary name and renamed into place once complete, so a run killed at any
+moment leaves either the previous checkpoint or the new one, never a partial one. Training state is DeepSpeed's
+(model shards, optimizer, scheduler) plus the caller's `client_state` (data position, KL controller, ...) and
+every rank's RNG state; the last `keep_last` are kept.
+"""
+
+import glob
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.deepspeed_utils import gathered_state_dict
+
+LATEST = "latest"
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """Move a complete directory into place, replacing an older one, with no moment where neither is whole."""
+    if os.path.exists(final):
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict | None = None) -> None:
+    """Save a model (gathered from ZeRO-3 shards) and its tokenizer as a Hugging Face folder, atomically.
+
+    Collective: every rank must call it. `extra_config` entries are stored in config.json (e.g. reward mean/std).
+    """
+    model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    state = gathered_state_dict(model, rank)
+    if rank == 0:
+        tmp = out_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for key, value in (extra_config or {}).items():
+            setattr(model.config, key, value)
+        model.config.use_cache = True  # restored for inference (training turns it off)
+        model.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_steps(ckpt_dir: str) -> list[int]:
+    """Steps of the complete checkpoints in ckpt_dir, oldest first."""
+    return sorted(int(p.rsplit("_", 1)[1]) for p in glob.glob(os.path.join(ckpt_dir, "step_*")) if p[-1].isdigit())
+
+
+def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict, rank: int, local_rank: int,
+                     keep_last: int = 2) -> None:
+    """Save every engine's DeepSpeed state + client_state + RNG as ckpt_dir/step_{step}, atomically. Collective.
+
+    `engines` maps a name ("model", "critic", ...) to a DeepSpeed engine; each gets its own sub-folder.
+    """
+    tag = f"step_{step}"
+    partial = os.path.join(ckpt_dir, ".partial")
+    if local_rank == 0:  # leftovers of a run killed while saving
+        shutil.rmtree(os.path.join(partial, tag), ignore_errors=True)
+    dist.barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(os.path.join(partial, tag, name), tag="state", client_state=client_state,
+                               save_latest=False)
+    torch.save(_rng_state(), os.path.join(partial, tag, f"rng_rank{rank}.pt"))
+    dist.barrier()
+    if local_rank == 0:  # one rank per node: checkpoints may live on node-local disks
+        replace_dir(os.path.join(partial, tag), os.path.join(ckpt_dir, tag))
+        with open(os.path.join(ckpt_dir, LATEST + ".tmp"), "w") as f:
+            f.write(tag)
+        os.replace(os.path.join(ckpt_dir, LATEST + ".tmp"), os.path.join(ckpt_dir, LATEST))
+        for old in checkpoint_steps(ckpt_dir)[:-keep_last]:
+            shutil.rmtree(os.path.join(ckpt_dir, f"step_{old}"), ignore_errors=True)
+    dist.barrier()
+
+
+def load_train_state(engines: dict, ckpt_dir: str, rank: int) -> dict | None:
+    """Restore the latest checkpoint in ckpt_dir into the engines; return its client_state, or None if none."""
+    latest = os.path.join(ckpt_dir, LATEST)
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        tag = f.read().strip()
+    client_state = None
+    for name, engine in engines.items():
+        path, client_state = engine.load_checkpoint(os.path.join(ckpt_dir, tag, name), tag="state",
+                                                    load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"checkpoint {os.path.join(ckpt_dir, tag, name)} could not be loaded; "
+                               f"delete {ckpt_dir} to start over.")
+    rng_file = os.path.join(ckpt_dir, tag, f"rng_rank{rank}.pt")
+    if os.path.exists(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return client_state

@@ -1,0 +1,238 @@
+"""Datasets for every script: load records, render them with a template, tokenize with a loss mask, batch them.
+
+Sources: a .json / .jsonl / .parquet file, a folder of such files (or one saved with `datasets.save_to_disk`),
+or a `datasets` hub name (offline runs need it cached). Keys are configurable (`--input_key`, `--output_key`, ...).
+
+A sample becomes text plus the character spans the loss is taken on, then tokens plus a 0/1 `loss_mask`:
+  - chat template: the prompt is a user message (or a list of messages), the response an assistant message;
+    a list of messages under the input key is a multi-turn conversation where every assistant turn is trained on;
+  - `--input_template "Q: {} A: "`: the prompt is formatted into the template, the response follows;
+  - neither: prompt and response are concatenated; pretrain mode trains on the whole text.
+Assistant spans are found by rendering each conversation prefix and checking it is a text prefix of the whole,
+which works for any chat template that renders history stably.
+"""
+
+import json
+import os
+import random
+
+import torch
+
+from common.args import UserError
+
+DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+
+class DataError(UserError):
+    """A problem with the user's data; the message says what to change."""
+
+
+# ----------------------------------------------------------------------------------------------- loading records
+def _read_jsonl(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {lineno}: not valid JSON ({e.msg}); fix or remove that line.") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}.")
+            rows.append(row)
+    return rows
+
+
+def _read_file(path: str) -> list[dict]:
+    if path.endswith(".jsonl"):
+        return _read_jsonl(path)
+    if path.endswith(".json"):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}).") from None
+        if isinstance(data, dict):  # {"data": [...]} or {"train": [...]} layouts
+            lists = [v for v in data.values() if isinstance(v, list)]
+            data = lists[0] if len(lists) == 1 else data
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise DataError(f"{path}: a .json dataset must be a list of objects (or use .jsonl, one object a line).")
+        return data
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise DataError(f"{path}: unsupported file type; use one of {', '.join(DATA_EXTENSIONS)}.")
+
+
+def load_records(source: str, split: str = "train") -> list[dict]:
+    """Read a dataset into a list of dicts. `split` is used only for `datasets` names and saved datasets."""
+    if os.path.isfile(source):
+        return _read_file(source)
+    if os.path.isdir(source):
+        if os.path.exists(os.path.join(source, "dataset_dict.json")) or os.path.exists(
+            os.path.join(source, "dataset_info.json")
+        ):
+            import datasets
+
+            ds = datasets.load_from_disk(source)
+            return list(ds[split] if isinstance(ds, datasets.DatasetDict) else ds)
+        files = sorted(f for f in os.listdir(source) if f.endswith(DATA_EXTENSIONS))
+        if not files:
+            raise DataError(f"dataset folder {source} has no {', '.join(DATA_EXTENSIONS)} files.")
+        return [row for f in files for row in _read_file(os.path.join(source, f))]
+    if source.endswith(DATA_EXTENSIONS) or source.startswith((".", "/", "~")):
+        raise DataError(f"dataset file {source} does not exist; check the path.")
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(source, split=split))
+    except Exception as e:  # hub or cache miss: say what was tried
+        raise DataError(f"could not load dataset {source!r} (split {split!r}) with `datasets`: {e}") from None
+
+
+def get_key(row: dict, key: str, index: int, source: str):
+    """row[key], or a DataError that names the key, the sample and the keys that are there."""
+    if key not in row:
+        raise DataError(
+            f"{source}, sample {index}: no key {key!r}; the keys present are {sorted(row)}. "
+            f"Pass the right name with the matching --*_key flag."
+        )
+    return row[key]
+
+
+# --------------------------------------------------------------------------------------------------- rendering
+def as_messages(prompt) -> list[dict]:
+    """A prompt given as text becomes one user message; a list of messages is taken as it is."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        return prompt
+    raise DataError(f"expected text or a list of {{'role', 'content'}} messages, got {str(prompt)[:80]!r}.")
+
+
+def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render a conversation; return the text and the character spans of the assistant turns."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (text.startswith(before) and text.startswith(through)):
+            raise DataError(
+                "the chat template does not render a conversation's history as a prefix of the whole, so "
+                "assistant turns cannot be located; use --input_template instead of --apply_chat_template."
+            )
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: str | None) -> str:
+    """The text a model is asked to continue: used by generation and by every prompt/response pair."""
+    if apply_chat_template:
+        return tokenizer.apply_chat_template(as_messages(prompt), tokenize=False, add_generation_prompt=True)
+    if not isinstance(prompt, str):
+        raise DataError("a prompt given as a list of messages needs --apply_chat_template.")
+    text = input_template.format(prompt) if input_template else prompt
+    return (tokenizer.bos_token or "") + text
+
+
+def render_pair(tokenizer, prompt, response: str, apply_chat_template: bool, input_template: str | None):
+    """Render prompt + response (ended by EOS); return the text and the response's character span."""
+    if apply_chat_template:
+        return render_chat(tokenizer, as_messages(prompt) + [{"role": "assistant", "content": response}])
+    prompt_text = render_prompt(tokenizer, prompt, False, input_template)
+    text = prompt_text + response + tokenizer.eos_token
+    return text, [(len(prompt_text), len(text))]
+
+
+def tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Tokenize `text`; a token is in the loss mask when it starts inside one of the character spans."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+# ------------------------------------------------------------------------------------------------ SFT samples
+def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, apply_chat_template=False,
+                      input_template=None, pretrain_mode=False, log=print) -> list[dict]:
+    """Tokenize records for SFT into {"input_ids", "loss_mask"} lists, truncated to max_len.
+
+    Samples longer than max_len are truncated and counted; a sample left with no trained token is dropped and
+    counted; both counts are reported. An empty result is an error that says which limit to change.
+    """
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, dropped = [], 0, 0
+    for i, row in enumerate(rows):
+        if pretrain_mode:
+            text = (tokenizer.bos_token or "") + str(get_key(row, input_key, i, source)) + tokenizer.eos_token
+            spans = [(0, len(text))]
+        elif isinstance(row.get(input_key), list) and output_key not in row:
+            text, spans = render_chat(tokenizer, as_messages(row[input_key]))
+        else:
+            prompt, response = get_key(row, input_key, i, source), get_key(row, output_key, i, source)
+            text, spans = render_pair(tokenizer, prompt, str(response), apply_chat_template, input_template)
+        ids, mask = tokenize_with_spans(tokenizer, text, spans)
+        mask[0] = 0  # the first token has nothing before it to be predicted from
+        if len(ids) > max_len:
+            truncated += 1
+            ids, mask = ids[:max_len], mask[:max_len]
+        if sum(mask) == 0:
+            dropped += 1
+            continue
+        samples.append({"input_ids": ids, "loss_mask": mask})
+    if not samples:
+        raise DataError(
+            f"every sample of {source} is longer than --max_len {max_len} before its response starts; "
+            f"raise --max_len."
+        )
+    if truncated or dropped:
+        log(f"{source}: {truncated} of {len(rows)} samples truncated to --max_len {max_len}; "
+            f"{dropped} dropped because no response token was left.")
+    return samples
+
+
+# --------------------------------------------------------------------------------------------------- batching
+def pad_collate(samples: list[dict], pad_id: int, keys=("input_ids", "loss_mask")) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples into (batch, seq) tensors plus an attention_mask."""
+    length = max(len(s["input_ids"]) for s in samples)
+    batch = {}
+    for key in keys:
+        fill = pad_id if key == "input_ids" else 0
+        batch[key] = torch.tensor([s[key] + [fill] * (length - len(s[key])) for s in samples])
+    batch["attention_mask"] = torch.tensor([[1] * len(s["input_ids"]) + [0] * (length - len(s["input_ids"]))
+                                            for s in samples])
+    return batch
+
+
+def pack_collate(samples: list[dict], keys=("input_ids", "loss_mask")) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one (1, total) row with position_ids restarting at 0 for each sample.
+
+    With no attention_mask, transformers reads the restarts in position_ids as sequence boundaries and lets each
+    sample attend only to itself (block-diagonal causal mask with sdpa/eager, varlen kernels with flash attention).
+    """
+    batch = {key: torch.tensor([sum((s[key] for s in samples), [])]) for key in keys}
+    batch["position_ids"] = torch.tensor([sum((list(range(len(s["input_ids"]))) for s in samples), [])])
+    return batch
+
+
+def micro_batches(num_samples: int, train_batch_size: int, micro_batch_size: int, world_size: int, rank: int,
+                  seed: int, epoch: int) -> list[list[list[int]]]:
+    """Sample indices for one epoch: a list of steps, each a list of this rank's micro-batches.
+
+    A step consumes `train_batch_size` samples across all ranks; the order is a fixed function of (seed, epoch),
+    so a resumed run sees exactly the batches it would have seen. The last incomplete global batch is left for
+    the next epoch's shuffle.
+    """
+    order = list(range(num_samples))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    per_rank = train_batch_size // world_size
+    steps = []
+    for start in range(0, num_samples - train_batch_size + 1, train_batch_size):
+        mine = order[start + rank * per_rank: start + (rank + 1) * per_rank]
+        steps.append([mine[i: i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
+    return steps

@@ -1,0 +1,200 @@
+"""DeepSpeed plumbing shared by the training scripts: process setup, ZeRO config, model loading, optimizer, schedule.
+
+One code path for CPU and GPU: on CUDA the model trains in bf16 with NCCL (and flash attention when installed),
+on CPU in fp32 with gloo. `python script.py` runs as a single rank; `deepspeed --num_gpus N script.py` runs N.
+"""
+
+import math
+import os
+import re
+import socket
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import HfDeepSpeedConfig
+
+from common.args import UserError
+
+# Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
+# cost more than it saves. Kept low so that even the tiny test model is really partitioned.
+ZERO3_PERSISTENCE_THRESHOLD = 10_000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """Join (or, under plain `python`, create) the default process group; return (rank, world_size, local_rank)."""
+    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed()
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
+
+
+def device() -> torch.device:
+    return torch.device(get_accelerator().current_device_name())
+
+
+def use_bf16() -> bool:
+    """bf16 on GPUs that have it; fp32 on CPU, where bf16 matmuls are slow and tiny models lose precision."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def gradient_accumulation_steps(train_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """train_batch_size = micro_batch_size * accumulation * world_size, or a UserError saying what to change."""
+    if train_batch_size % (micro_batch_size * world_size):
+        raise UserError(
+            f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size "
+            f"{micro_batch_size} x {world_size} ranks = {micro_batch_size * world_size}."
+        )
+    return train_batch_size // (micro_batch_size * world_size)
+
+
+def ds_config(stage: int, train_batch_size: int, micro_batch_size: int, world_size: int, grad_clip: float = 1.0,
+              offload_optimizer: bool = False, offload_params: bool = False, train: bool = True) -> dict:
+    """A DeepSpeed config for ZeRO stage 0-3. `train=False` gives the config of a frozen (reference) model."""
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"--zero_stage must be 0, 1, 2 or 3, got {stage}.")
+    offload = lambda on: {"device": "cpu", "pin_memory": torch.cuda.is_available()} if on else {"device": "none"}
+    zero = {
+        "stage": stage,
+        "offload_param": offload(offload_params and stage == 3),
+        "offload_optimizer": offload(offload_optimizer and train and stage > 0),
+        "stage3_param_persistence_threshold": ZERO3_PERSISTENCE_THRESHOLD,
+        "stage3_prefetch_bucket_size": "auto",
+        "reduce_bucket_size": "auto",
+    }
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps(train_batch_size, micro_batch_size, world_size),
+        "train_batch_size": train_batch_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": use_bf16()},
+        "gradient_clipping": grad_clip,
+        "steps_per_print": 10**9,  # the scripts log for themselves
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": False,
+    }
+    if not train:
+        del config["gradient_clipping"]
+    return config
+
+
+def check_model_path(path: str, flag: str = "--pretrain") -> None:
+    """Fail early, in one sentence, on a local model path that does not exist ("org/name" is left to the hub)."""
+    hub_name = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not path.startswith(".")
+    if not os.path.isdir(os.path.expanduser(path)) and not hub_name:
+        raise UserError(f"{flag} {path} does not exist; give a Hugging Face model folder or hub name.")
+
+
+def load_tokenizer(path: str, flag: str = "--pretrain"):
+    check_model_path(path, flag)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: no tokenizer could be loaded ({e}).") from None
+    if tokenizer.pad_token is None:  # many causal LMs ship without one; padding is always masked out
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradient_checkpointing: bool = False,
+               flag: str = "--pretrain", **kwargs):
+    """Load a Hugging Face model; under ZeRO-3 it is partitioned while it loads, never whole on one rank.
+
+    transformers partitions at load while a HfDeepSpeedConfig object is alive, so it is kept on the model.
+    """
+    check_model_path(path, flag)
+    hf_ds_config = HfDeepSpeedConfig(config) if config["zero_optimization"]["stage"] == 3 else None
+    attn = "flash_attention_2" if torch.cuda.is_available() and _has_flash_attn() else "sdpa"
+    dtype = torch.bfloat16 if use_bf16() else torch.float32
+    try:
+        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn, **kwargs)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: no model could be loaded ({e}).") from None
+    model._hf_ds_config = hf_ds_config
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cosine_schedule(optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.1):
+    """Linear warmup, then cosine decay from the peak LR down to min_lr_ratio x peak at the last step."""
+    warmup = max(1, math.ceil(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: bool = False):
+    """AdamW without weight decay on biases and norms; DeepSpeed's CPU Adam when the optimizer lives on the CPU."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=betas)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def init_train_engine(model, config: dict, lr: float, weight_decay: float, total_steps: int, warmup_ratio: float,
+                      min_lr_ratio: float, offload_optimizer: bool = False):
+    """Wrap a model with DeepSpeed for training: AdamW + cosine schedule. Returns the engine."""
+    optimizer = adamw(model, lr, weight_decay, offload=offload_optimizer)
+    # The schedule is built on the optimizer DeepSpeed wraps (ZeRO regroups parameters), hence the callable.
+    schedule = lambda wrapped: cosine_schedule(wrapped, total_steps, warmup_ratio, min_lr_ratio)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+    return engine
+
+
+def init_eval_engine(model, config: dict):
+    """Wrap a frozen model (reference, reward) with DeepSpeed for inference; ZeRO-3 keeps it partitioned."""
+    model.eval()
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine
+
+
+def gathered_state_dict(model, rank: int) -> dict[str, torch.Tensor]:
+    """The full state dict on rank 0 (empty elsewhere), gathering ZeRO-3 shards one module at a time."""
+    state = {}
+    for module_name, module in model.named_modules():
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        partitioned = [p for _, p in params if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
+            if rank == 0:
+                for name, p in params:
+                    state[f"{module_name}.{name}" if module_name else name] = p.detach().cpu().clone()
+    if rank == 0:
+        for name, buf in model.named_buffers():
+            if name in model.state_dict():
+                state[name] = buf.detach().cpu().clone()
+    return state

@@ -1,0 +1,265 @@
+"""The shared PPO tricks as pure tensor functions: GAE, KL estimators and controllers, masked whitening, reward shaping.
+
+Every function takes a `mask` of shape (batch, seq), bool or 0/1, that marks response tokens. Masked-out positions
+never enter a statistic, come back as 0, and may hold anything (padding, garbage, even NaN) without changing the result.
+Nothing divides by an empty count: a statistic over no tokens is 0.
+
+    - compute_gae / compute_returns           advantages and returns (Schulman et al. 2016, GAE)
+    - kl_penalty                              per-token KL estimators k1, k2, k3 (http://joschu.net/blog/kl-approx.html)
+    - FixedKLController / AdaptiveKLController  the KL coefficient (Ziegler et al. 2019)
+    - masked_mean / masked_var / masked_whiten / distributed_masked_whiten
+    - place_reward_on_eos / compute_token_rewards / normalize_rewards
+    - group_advantages                        critic-free baselines: GRPO, RLOO, REINFORCE++
+"""
+
+import torch
+import torch.distributed as dist
+
+# Added to the variance before the square root, so whitening a constant tensor gives zeros, not NaN.
+WHITEN_EPS = 1e-8
+
+
+# ----------------------------------------------------------------------------------------------- masked statistics
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` over the positions where `mask` is set, over all of them or along `dim`; 0 where none is set."""
+    mask = mask.bool()
+    # torch.where, not values * mask: NaN or inf in padding would survive a multiplication by 0.
+    total = torch.where(mask, values, 0.0).sum(dim=dim)
+    count = mask.sum(dim=dim)
+    return total / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` over all masked positions (Bessel-corrected if `unbiased`); 0 for fewer than 2 tokens."""
+    mask = mask.bool()
+    centered = torch.where(mask, values - masked_mean(values, mask), 0.0)
+    count = mask.sum()
+    dof = count - 1 if unbiased else count
+    return centered.square().sum() / dof.clamp(min=1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise the masked entries of `values` to mean 0 and variance 1; masked-out positions come back as 0.
+
+    With shift_mean=False the mean is added back, so only the scale changes: TRL and OpenRLHF whiten rewards this
+    way, keeping their sign, and whiten advantages with shift_mean=True.
+    """
+    mask = mask.bool()
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    return _whiten_with(values, mask, mean, var, shift_mean)
+
+
+def distributed_masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, group=None
+) -> torch.Tensor:
+    """masked_whiten with mean and variance taken over the masked tokens of every rank in `group`.
+
+    Each rank holds a different slice of the batch; whitening each slice with its own statistics would give every
+    rank a differently scaled advantage. One all_reduce of (sum, sum of squares, count) gives the global statistics.
+    Without an initialised torch.distributed this is masked_whiten on the local data.
+    """
+    mask = mask.bool()
+    # float64 because var = E[x^2] - E[x]^2 cancels badly in float32 when the mean is large next to the spread.
+    masked = torch.where(mask, values, 0.0).double()
+    stats = torch.stack([masked.sum(), masked.square().sum(), mask.sum().double()])  # (3,)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    total, total_sq, count = stats.unbind()
+    mean = total / count.clamp(min=1)
+    # Same Bessel-corrected variance as masked_var, so one rank gives exactly masked_whiten.
+    var = ((total_sq - count * mean.square()) / (count - 1).clamp(min=1)).clamp(min=0)
+    return _whiten_with(values, mask, mean.to(values.dtype), var.to(values.dtype), shift_mean)
+
+
+def _whiten_with(values, mask, mean, var, shift_mean):
+    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------- advantages
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE").
+
+    rewards, values, mask: (batch, seq). The TD residual and its exponentially weighted sum (eqs. 11-16)
+
+        delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)
+        A_t     = sum_l (gamma * lam)^l * delta_{t+l}  =  delta_t + gamma * lam * A_{t+1}
+
+    are computed by the right-hand recursion, backwards over time and vectorised over the batch. Masked-out positions
+    contribute nothing: their reward, value and advantage are 0, so the step after a sequence's last real token has
+    V = 0 and A = 0 (the episode ends there), and left padding before a response is simply skipped. A gap inside
+    a row's mask ends the episode at the gap as well. Returns (advantages, returns), returns = advantages + values
+    (the critic's regression target), both 0 where mask is 0. Pass detached values: these are targets.
+    """
+    mask = mask.bool()
+    rewards = torch.where(mask, rewards, 0.0)
+    values = torch.where(mask, values, 0.0)
+    advantages = torch.zeros_like(values)  # (batch, seq)
+    next_value = torch.zeros_like(values[:, 0])  # (batch,)
+    next_advantage = torch.zeros_like(values[:, 0])  # (batch,)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, 0.0)
+        advantages[:, t] = advantage
+        next_value, next_advantage = values[:, t], advantage
+    returns = torch.where(mask, advantages + values, 0.0)
+    return advantages, returns
+
+
+def compute_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted reward-to-go G_t = r_t + gamma * G_{t+1} per token, (batch, seq), 0 outside the mask.
+
+    Critic-free methods (REINFORCE++, GRPO, RLOO at token level) use it as the advantage; with gamma=1 it is the sum
+    of the rewards from t on. It is GAE with V = 0 and lam = 1, where delta_t = r_t.
+    """
+    returns, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, lam=1.0)
+    return returns
+
+
+def group_advantages(
+    scores: torch.Tensor, n_samples_per_prompt: int, kind: str, eps: float = 1e-6
+) -> torch.Tensor:
+    """Critic-free advantages for a flat (batch,) of scores holding n_samples_per_prompt consecutive samples per prompt.
+
+    - "grpo" (Shao et al. 2024, DeepSeekMath): score minus its group's mean, over the group's std + eps.
+    - "rloo" (Ahmadian et al. 2024): score minus the mean of the other samples of the same prompt, an unbiased
+      baseline because it does not depend on the sample itself; needs at least 2 samples per prompt.
+    - "reinforce++" (Hu 2025): the score unchanged; REINFORCE++ whitens the token returns over the whole batch later.
+    """
+    n = n_samples_per_prompt
+    if n < 1 or scores.shape[0] % n != 0:
+        raise ValueError(
+            f"a batch of {scores.shape[0]} scores does not split into groups of n_samples_per_prompt={n}; "
+            "make the rollout batch a multiple of n_samples_per_prompt."
+        )
+    groups = scores.reshape(-1, n)  # (prompts, n)
+    if kind == "grpo":
+        # One sample has no spread to divide by; correction=0 makes its std 0 instead of NaN.
+        std = groups.std(dim=1, keepdim=True, correction=1 if n > 1 else 0)
+        advantages = (groups - groups.mean(dim=1, keepdim=True)) / (std + eps)
+    elif kind == "rloo":
+        if n < 2:
+            raise ValueError("rloo needs n_samples_per_prompt >= 2 to form a leave-one-out baseline; raise it.")
+        baseline = (groups.sum(dim=1, keepdim=True) - groups) / (n - 1)
+        advantages = groups - baseline
+    elif kind == "reinforce++":
+        advantages = groups.clone()
+    else:
+        raise ValueError(f"unknown advantage estimator {kind!r}; use 'grpo', 'rloo' or 'reinforce++'.")
+    return advantages.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------- KL
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the log probs of tokens sampled from the policy.
+
+    With log_ratio = logprobs - ref_logprobs (http://joschu.net/blog/kl-approx.html):
+    - "k1": log_ratio. Unbiased, high variance, negative on some tokens.
+    - "k2": 0.5 * log_ratio^2. Biased, low variance, never negative.
+    - "k3": exp(-log_ratio) - 1 + log_ratio. Unbiased, low variance, never negative (r - 1 - log r >= 0 for r > 0).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'.")
+
+
+class FixedKLController:
+    """A KL coefficient that never changes; update() is there so callers treat both controllers alike."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Steer the measured KL towards `target`: the proportional controller of Ziegler et al. 2019, "Fine-Tuning
+    Language Models from Human Preferences".
+
+        error = clip(current_kl / target - 1, -0.2, 0.2)
+        value = value * (1 + error * n_steps / horizon)
+
+    The clip keeps one outlier batch from swinging the coefficient; `horizon` is the number of samples over which
+    the coefficient would change by the full error.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got target={target}, horizon={horizon}.")
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+# ----------------------------------------------------------------------------------------------- rewards
+def place_reward_on_eos(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A (batch, seq) tensor of zeros with each row's scalar score on the last position its mask sets (the EOS).
+
+    The reward model scores whole sequences; PPO with GAE needs a reward per token, and the score belongs to the
+    action that ended the sequence. A row whose mask is empty gets no reward.
+    """
+    mask = mask.bool()
+    positions = torch.arange(mask.shape[1], device=mask.device)  # (seq,)
+    last = torch.where(mask, positions, -1).max(dim=1).values  # (batch,), -1 for an empty row
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)  # (batch, seq)
+    rewards.scatter_(1, last.clamp(min=0)[:, None], scores[:, None])
+    return torch.where(mask, rewards, 0.0)
+
+
+def compute_token_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards for PPO with GAE: -kl_coef * KL on every response token, plus the score on the last one.
+
+    The KL term keeps the policy near the reference model token by token (Ziegler et al. 2019; Stiennon et al. 2020).
+    Returns (rewards, kl), both (batch, seq) and 0 outside the mask; kl is what gets logged as objective/kl.
+    """
+    mask = mask.bool()
+    kl = torch.where(mask, kl_penalty(logprobs, ref_logprobs, kind), 0.0)  # (batch, seq)
+    rewards = -kl_coef * kl + place_reward_on_eos(scores, mask)
+    return rewards, kl
+
+
+def normalize_rewards(scores: torch.Tensor, mean, std, clip: float | None = None) -> torch.Tensor:
+    """(scores - mean) / std, then clamped to [-clip, clip] if clip is given.
+
+    mean and std are usually the reward model's running statistics. A std of 0 (one sample, or all scores equal)
+    leaves the scale as it is rather than dividing by zero.
+    """
+    std = torch.as_tensor(std, dtype=scores.dtype, device=scores.device)
+    normalized = (scores - mean) / torch.where(std > 0, std, 1.0)
+    if clip is not None:
+        normalized = normalized.clamp(-clip, clip)
+    return normalized

@@ -1,0 +1,217 @@
+"""Supervised fine-tuning (SFT) and continued pretraining of a Hugging Face causal LM with DeepSpeed ZeRO.
+
+The first stage of RLHF (Ouyang et al. 2022, "Training language models to follow instructions"): teach the model
+the response format by maximising the likelihood of demonstration responses given their prompts.
+
+    deepspeed --num_gpus 2 sft.py --pretrain MODEL --dataset data.jsonl --apply_chat_template
+    python sft.py ...                                   # one process, same flags
+
+Implementation details, where they happen below:
+  - the loss is the mean negative log-likelihood over response tokens only; prompt tokens are masked out, and in a
+    multi-turn conversation every assistant turn is trained on (common/data.py builds the mask);
+  - `--pretrain_mode` trains on every token instead (continued pretraining on raw text);
+  - `--packing_samples` concatenates a micro-batch into one row with no padding; position_ids restart at each
+    sample so that each one attends only to itself, and the loss is identical to the padded loss;
+  - the data order is a function of (seed, epoch), so a run resumed from its last checkpoint sees exactly the
+    batches the uninterrupted run would have seen.
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from common import checkpoint, data
+from common.args import parse_args, run_main
+from common.deepspeed_utils import (check_model_path, device, ds_config, init_distributed, init_train_engine,
+                                    load_model, load_tokenizer)
+from common.logging_utils import MetricsLogger, print_rank0, progress
+from common.modeling import next_token_logprobs
+
+
+@dataclass
+class Args:
+    # --- model and data
+    pretrain: str = ""
+    """the model to start from: a Hugging Face model folder or hub name"""
+    dataset: str = ""
+    """training data: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    eval_dataset: str | None = None
+    """held-out data in the same format, for the eval loss"""
+    input_key: str = "prompt"
+    """key of the prompt (text, or a list of chat messages); in --pretrain_mode, the key of the text"""
+    output_key: str = "response"
+    """key of the response; rows with a list of messages under --input_key and no response are multi-turn chats"""
+    apply_chat_template: bool = False
+    """render prompts with the tokenizer's chat template"""
+    input_template: str | None = None
+    """a template such as 'Question: {} Answer: ' the prompt is formatted into (without a chat template)"""
+    max_len: int = 512
+    """samples are truncated to this many tokens"""
+    output_dir: str = "out/sft"
+    """where the final Hugging Face model, metrics and checkpoints go"""
+    # --- training
+    seed: int = 42
+    """random seed"""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage: 0 (data parallel), 1, 2 or 3 (parameters partitioned)"""
+    offload_optimizer: bool = False
+    """keep the optimizer state in CPU memory (DeepSpeed CPU Adam)"""
+    offload_params: bool = False
+    """keep ZeRO-3 parameters in CPU memory"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    train_batch_size: int = 32
+    """samples per optimizer step, across all ranks"""
+    micro_train_batch_size: int = 8
+    """samples per forward pass on one rank; the rest is gradient accumulation"""
+    max_epochs: int = 1
+    """passes over the training data"""
+    max_steps: int = 0
+    """stop after this many optimizer steps (0: run --max_epochs)"""
+    learning_rate: float = 5e-6
+    """peak learning rate"""
+    min_lr_ratio: float = 0.1
+    """the cosine schedule ends at this fraction of the peak learning rate"""
+    warmup_ratio: float = 0.03
+    """fraction of the steps spent warming the learning rate up linearly"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (never applied to biases and norms)"""
+    grad_clip: float = 1.0
+    """clip the gradient norm to this value"""
+    # --- logging and checkpoints
+    logging_steps: int = 1
+    """log training metrics every this many steps"""
+    eval_steps: int = 0
+    """compute the eval loss every this many steps (0: only at the end)"""
+    save_steps: int = 0
+    """save a resumable checkpoint every this many steps (0: never)"""
+    ckpt_dir: str | None = None
+    """where resumable checkpoints go (default: <output_dir>/checkpoints); a run resumes from the latest one"""
+    keep_last_checkpoints: int = 2
+    """how many resumable checkpoints to keep"""
+    use_wandb: bool = False
+    """also log to Weights & Biases (offline without WANDB_API_KEY)"""
+    wandb_project: str = "rlhf-sft"
+    """wandb project name"""
+    # --- SFT
+    pretrain_mode: bool = False
+    """continued pretraining: train on every token of the text under --input_key"""
+    packing_samples: bool = False
+    """pack each micro-batch into one row without padding"""
+
+
+# ------------------------------------------------------------------------------------------------- ALGO LOGIC
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the masked tokens.
+
+    logprobs (batch, seq - 1) are next-token log-probs (entry t predicts token t + 1), loss_mask (batch, seq).
+    """
+    mask = loss_mask[:, 1:].to(logprobs.dtype)
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
+
+
+def forward_logprobs(model, batch: dict) -> torch.Tensor:
+    """Next-token log-probs for a padded or a packed batch."""
+    return next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
+# --------------------------------------------------------------------------------------------- END ALGO LOGIC
+
+
+def collate(samples, tokenizer, packing: bool, dev) -> dict:
+    batch = data.pack_collate(samples) if packing else data.pad_collate(samples, tokenizer.pad_token_id)
+    return {k: v.to(dev) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(engine, samples, args, tokenizer, rank, world_size) -> float:
+    """Token-level mean NLL over the eval set, each rank taking every world_size-th sample."""
+    engine.eval()
+    total = torch.zeros(2, device=device())  # (sum of NLL, number of tokens)
+    mine = samples[rank::world_size]
+    for i in range(0, max(len(mine), 1), args.micro_train_batch_size):
+        chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
+        weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
+        batch = collate(chunk, tokenizer, args.packing_samples, device())
+        logprobs = forward_logprobs(engine, batch)
+        mask = batch["loss_mask"][:, 1:].float()
+        total += weight * torch.stack([-(logprobs * mask).sum(), mask.sum()])
+    dist.all_reduce(total)
+    engine.train()
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def main(args: Args):
+    check_model_path(args.pretrain)
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.pretrain)
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
+
+    def load_samples(source, split):
+        rows = data.load_records(source, split)
+        return data.build_sft_samples(rows, tokenizer, source, args.input_key, args.output_key, args.max_len,
+                                      args.apply_chat_template, args.input_template, args.pretrain_mode,
+                                      log=lambda msg: print_rank0(rank, msg))
+
+    train_samples = load_samples(args.dataset, args.dataset_split)
+    eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
+    steps_per_epoch = len(train_samples) // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
+                             f"lower --train_batch_size below {args.train_batch_size}.")
+    total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
+    engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
+                               args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
+    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank) or {"step": 0}
+    start_step = state["step"]
+    if start_step:
+        print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
+    logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project)
+
+    bar = progress(total_steps, rank, "sft", initial=start_step)
+    for step in range(start_step, total_steps):
+        epoch = step // steps_per_epoch
+        step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
+                                          world_size, rank, args.seed, epoch)[step % steps_per_epoch]
+        start, stats = time.time(), torch.zeros(3, device=device())  # (loss sum, micro-batches, tokens)
+        for indices in step_batches:
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
+            loss = sft_loss(forward_logprobs(engine, batch), batch["loss_mask"])
+            engine.backward(loss)
+            engine.step()
+            stats += torch.tensor([loss.item(), 1, batch["input_ids"].numel()], device=stats.device)
+        dist.all_reduce(stats)
+        metrics = {"train/loss": stats[0] / stats[1], "train/lr": engine.get_lr()[0], "train/epoch": epoch,
+                   "perf/tokens_per_sec": stats[2] / (time.time() - start)}
+        if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
+            metrics["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size)
+        if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
+            logger.log(step + 1, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank, local_rank,
+                                        args.keep_last_checkpoints)
+    bar.close()
+
+    summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
+    if eval_samples:
+        summary["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size)
+        logger.log(total_steps, summary)
+    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank)
+    logger.close()
+    print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args(Args))

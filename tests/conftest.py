@@ -1,0 +1,66 @@
+"""Shared test fixtures: the tiny model and synthetic task, built once per session, and a script runner."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Offline and quiet, on any machine: no hub, no wandb account, no Ray token, vLLM inside the calling process.
+os.environ.update(
+    HF_HUB_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+    WANDB_MODE="offline",
+    RAY_AUTH_MODE="disabled",
+    VLLM_CPU_KVCACHE_SPACE="1",
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+)
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from common.tiny_model import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def task(tmp_path_factory) -> dict:
+    from common.synthetic_task import write_task
+
+    return write_task(str(tmp_path_factory.mktemp("task")), seed=0)
+
+
+def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 600, check: bool = True,
+               background: bool = False):
+    """Run a top-level script as a user would: `python script.py` (1 rank) or `deepspeed --num_gpus N script.py`."""
+    if nprocs == 1:
+        cmd = [sys.executable, os.path.join(ROOT, script), *args]
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs),
+               "--master_port", str(_free_port()), os.path.join(ROOT, script), *args]
+    if background:  # own process group, so a test can SIGKILL the launcher and every rank at once
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+def kill_group(proc) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

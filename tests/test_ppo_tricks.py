@@ -1,0 +1,399 @@
+"""Check the PPO tricks in common/ppo_tricks.py against plain-Python references and their defining formulas."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.ppo_tricks import (
+    AdaptiveKLController,
+    FixedKLController,
+    compute_gae,
+    compute_returns,
+    compute_token_rewards,
+    distributed_masked_whiten,
+    group_advantages,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    normalize_rewards,
+    place_reward_on_eos,
+)
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+def right_padded_mask(lengths: list[int], seq: int) -> torch.Tensor:
+    """Each row's response starts at position 0 and runs for its length, then padding."""
+    return torch.tensor([[t < n for t in range(seq)] for n in lengths])  # (batch, seq)
+
+
+def left_padded_mask(starts: list[int], lengths: list[int], seq: int) -> torch.Tensor:
+    """Each row's response starts after its (left-padded) prompt and runs for its length, then padding."""
+    return torch.tensor([[s <= t < s + n for t in range(seq)] for s, n in zip(starts, lengths)])  # (batch, seq)
+
+
+def reference_gae(rewards, values, mask, gamma, lam):
+    """GAE as a reverse loop over time, one row at a time, reading only masked positions."""
+    batch, seq = len(mask), len(mask[0])
+    advantages = [[0.0] * seq for _ in range(batch)]
+    for b in range(batch):
+        next_advantage = 0.0
+        for t in reversed(range(seq)):
+            if not mask[b][t]:
+                next_advantage = 0.0
+                continue
+            next_value = values[b][t + 1] if t + 1 < seq and mask[b][t + 1] else 0.0
+            delta = rewards[b][t] + gamma * next_value - values[b][t]
+            next_advantage = delta + gamma * lam * next_advantage
+            advantages[b][t] = next_advantage
+    return torch.tensor(advantages, dtype=torch.float64)
+
+
+MASKS = {
+    "right_padded": right_padded_mask([7, 3, 1, 5, 0], seq=7),
+    "left_padded": left_padded_mask(starts=[0, 2, 4, 6, 1], lengths=[5, 4, 3, 1, 6], seq=8),
+}
+
+
+# ----------------------------------------------------------------------------------------------- GAE and returns
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.99, 0.95), (0.9, 0.0), (0.5, 0.7)])
+def test_compute_gae_matches_reverse_loop(mask_kind, gamma, lam):
+    mask = MASKS[mask_kind]
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    values = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    expected = reference_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+
+    advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
+
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, torch.where(mask, expected + values, 0.0))
+    assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
+
+
+def test_compute_gae_ignores_masked_out_values_and_rewards():
+    mask = MASKS["left_padded"]
+    gen = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(2, *mask.shape, generator=gen)
+    advantages, returns = compute_gae(rewards, values, mask, 0.99, 0.95)
+
+    garbage = torch.full(mask.shape, float("nan"))
+    advantages2, returns2 = compute_gae(
+        torch.where(mask, rewards, garbage), torch.where(mask, values, garbage), mask, 0.99, 0.95
+    )
+    torch.testing.assert_close(advantages2, advantages)
+    torch.testing.assert_close(returns2, returns)
+
+
+def test_compute_gae_lambda_one_is_return_minus_value():
+    # With lam=1 the deltas telescope: A_t = sum of discounted rewards from t on - V(s_t) (GAE eq. 18).
+    mask = MASKS["right_padded"]
+    gen = torch.Generator().manual_seed(2)
+    rewards, values = torch.randn(2, *mask.shape, generator=gen, dtype=torch.float64)
+    advantages, _ = compute_gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    torch.testing.assert_close(advantages, torch.where(mask, compute_returns(rewards, mask, 0.9) - values, 0.0))
+
+
+@pytest.mark.parametrize("mask_kind", MASKS)
+def test_compute_returns_is_reward_to_go(mask_kind):
+    mask = MASKS[mask_kind]
+    rewards = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    undiscounted = compute_returns(rewards, mask, gamma=1.0)
+    masked_rewards = torch.where(mask, rewards, 0.0)
+    suffix_sums = masked_rewards.flip(1).cumsum(1).flip(1)
+    torch.testing.assert_close(undiscounted, torch.where(mask, suffix_sums, 0.0))
+
+    discounted = compute_returns(rewards, mask, gamma=0.9)
+    for b in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            expected = sum(0.9 ** (k - t) * masked_rewards[b, k].item() for k in range(t, mask.shape[1]))
+            assert discounted[b, t].item() == pytest.approx(expected if mask[b, t] else 0.0, abs=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- KL
+def test_kl_estimators_equal_their_formulas():
+    gen = torch.Generator().manual_seed(4)
+    logprobs, ref_logprobs = -torch.rand(2, 4, 6, generator=gen, dtype=torch.float64) * 5
+    log_ratio = logprobs - ref_logprobs
+    torch.testing.assert_close(kl_penalty(logprobs, ref_logprobs, "k1"), log_ratio)
+    torch.testing.assert_close(kl_penalty(logprobs, ref_logprobs, "k2"), 0.5 * log_ratio**2)
+    torch.testing.assert_close(
+        kl_penalty(logprobs, ref_logprobs, "k3"), torch.exp(ref_logprobs - logprobs) - 1 + log_ratio
+    )
+    assert kl_penalty(logprobs, ref_logprobs, "k3").shape == (4, 6)
+    assert (kl_penalty(logprobs, ref_logprobs, "k3") >= 0).all()
+    assert (kl_penalty(logprobs, ref_logprobs, "k2") >= 0).all()
+
+
+def test_kl_estimators_vanish_when_log_probs_match():
+    logprobs = -torch.rand(3, 5, generator=torch.Generator().manual_seed(5)) * 5
+    for kind in ("k1", "k2", "k3"):
+        assert (kl_penalty(logprobs, logprobs.clone(), kind) == 0).all(), kind
+
+
+def test_kl_unknown_kind_raises():
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        kl_penalty(torch.zeros(2), torch.zeros(2), "k4")
+
+
+def test_k1_and_k3_are_unbiased_for_kl_between_categoricals():
+    gen = torch.Generator().manual_seed(6)
+    log_p = torch.log_softmax(2 * torch.randn(6, generator=gen, dtype=torch.float64), dim=0)
+    log_q = torch.log_softmax(2 * torch.randn(6, generator=gen, dtype=torch.float64), dim=0)
+    true_kl = (log_p.exp() * (log_p - log_q)).sum().item()
+    reverse_kl = (log_q.exp() * (log_q - log_p)).sum().item()
+    # Far enough apart that an estimator of the wrong direction, or the biased k2, lands outside the tolerance.
+    assert abs(reverse_kl - true_kl) > 0.2 * true_kl
+
+    samples = torch.multinomial(log_p.exp(), 200_000, replacement=True, generator=gen)  # (n,) tokens drawn from p
+    for kind in ("k1", "k3"):
+        estimate = kl_penalty(log_p[samples], log_q[samples], kind).mean().item()
+        assert estimate == pytest.approx(true_kl, rel=0.05), kind
+    k2 = kl_penalty(log_p[samples], log_q[samples], "k2").mean().item()
+    assert k2 != pytest.approx(true_kl, rel=0.1)
+
+
+# ----------------------------------------------------------------------------------------------- KL controllers
+def test_fixed_kl_controller_never_moves():
+    controller = FixedKLController(0.05)
+    controller.update(current_kl=100.0, n_steps=1000)
+    assert controller.value == 0.05
+    restored = FixedKLController(1.0)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.value == 0.05
+
+
+def test_adaptive_kl_controller_direction_and_clipping():
+    target, horizon, n_steps = 6.0, 10_000, 256
+
+    too_far = AdaptiveKLController(0.1, target, horizon)
+    too_far.update(current_kl=60.0, n_steps=n_steps)  # error 9, clipped to 0.2
+    assert too_far.value == pytest.approx(0.1 * (1 + 0.2 * n_steps / horizon))
+
+    too_close = AdaptiveKLController(0.1, target, horizon)
+    too_close.update(current_kl=0.0, n_steps=n_steps)  # error -1, clipped to -0.2
+    assert too_close.value == pytest.approx(0.1 * (1 - 0.2 * n_steps / horizon))
+
+    slightly_far = AdaptiveKLController(0.1, target, horizon)
+    slightly_far.update(current_kl=6.6, n_steps=n_steps)  # error 0.1, inside the clip
+    assert slightly_far.value == pytest.approx(0.1 * (1 + 0.1 * n_steps / horizon))
+
+    on_target = AdaptiveKLController(0.1, target, horizon)
+    on_target.update(current_kl=target, n_steps=n_steps)
+    assert on_target.value == pytest.approx(0.1)
+
+
+def test_adaptive_kl_controller_state_dict_round_trips():
+    controller = AdaptiveKLController(0.1, target=6.0, horizon=10_000)
+    for kl in (20.0, 15.0, 1.0):
+        controller.update(kl, n_steps=512)
+    restored = AdaptiveKLController(0.1, target=6.0, horizon=10_000)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.value == controller.value != 0.1
+    controller.update(9.0, 512)
+    restored.update(9.0, 512)
+    assert restored.value == controller.value
+
+
+def test_adaptive_kl_controller_rejects_bad_target():
+    with pytest.raises(ValueError, match="target > 0"):
+        AdaptiveKLController(0.1, target=0.0, horizon=10_000)
+
+
+# ----------------------------------------------------------------------------------------------- masked statistics
+def random_values_and_mask(seed: int, shape=(6, 11)):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 2
+    mask = torch.rand(shape, generator=gen) < 0.6
+    return values, mask
+
+
+def test_masked_mean_and_var_match_selection():
+    values, mask = random_values_and_mask(7)
+    assert masked_mean(values, mask).item() == pytest.approx(values[mask].mean().item())
+    assert masked_var(values, mask).item() == pytest.approx(values[mask].var().item())
+    assert masked_var(values, mask, unbiased=False).item() == pytest.approx(values[mask].var(correction=0).item())
+    per_row = masked_mean(values, mask, dim=1)
+    for b in range(values.shape[0]):
+        assert per_row[b].item() == pytest.approx(values[b][mask[b]].mean().item())
+
+
+def test_masked_statistics_of_empty_mask_are_zero_not_nan():
+    values = torch.randn(3, 4)
+    empty = torch.zeros(3, 4, dtype=torch.bool)
+    assert masked_mean(values, empty).item() == 0
+    assert masked_var(values, empty).item() == 0
+    assert (masked_mean(values, empty, dim=1) == 0).all()
+    one = empty.clone()
+    one[1, 2] = True
+    assert masked_var(values, one).item() == 0
+    assert (masked_whiten(values, empty) == 0).all()
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_masked_whiten_normalises_masked_entries(shift_mean):
+    values, mask = random_values_and_mask(8)
+    whitened = masked_whiten(values, mask, shift_mean=shift_mean)
+    expected_mean = 0.0 if shift_mean else values[mask].mean().item()
+    assert whitened[mask].mean().item() == pytest.approx(expected_mean, abs=1e-6)
+    assert whitened[mask].std().item() == pytest.approx(1.0, abs=1e-6)
+    assert (whitened[~mask] == 0).all()
+
+
+def test_masked_whiten_ignores_masked_out_positions():
+    values, mask = random_values_and_mask(9)
+    changed = torch.where(mask, values, torch.tensor(float("nan")))
+    changed[0, ~mask[0]] = 1e6
+    torch.testing.assert_close(masked_whiten(changed, mask), masked_whiten(values, mask))
+    torch.testing.assert_close(masked_whiten(changed, mask, False), masked_whiten(values, mask, False))
+
+
+def test_distributed_masked_whiten_without_process_group_is_local():
+    assert not dist.is_initialized()
+    values, mask = random_values_and_mask(10)
+    torch.testing.assert_close(distributed_masked_whiten(values, mask), masked_whiten(values, mask))
+    torch.testing.assert_close(
+        distributed_masked_whiten(values, mask, shift_mean=False), masked_whiten(values, mask, shift_mean=False)
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _whiten_on_rank(rank: int, world_size: int, port: int, shards: list, out_dir: str) -> None:
+    """Runs in a spawned process: whiten this rank's shard with global statistics and save the result."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        values, mask = shards[rank]
+        results = {shift: distributed_masked_whiten(values, mask, shift_mean=shift) for shift in (True, False)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_masked_whiten_matches_single_process(tmp_path):
+    # Different batch sizes and sequence lengths per rank: only the masked tokens count.
+    shards = [random_values_and_mask(11, shape=(3, 5)), random_values_and_mask(12, shape=(5, 9))]
+    shards[1][0][:] += 4  # different means per rank, so local whitening would give a different answer
+    mp.spawn(_whiten_on_rank, args=(2, _free_port(), shards, str(tmp_path)), nprocs=2, join=True)
+
+    all_values = torch.cat([values[mask] for values, mask in shards])  # (n_masked_tokens,)
+    everything = torch.ones_like(all_values, dtype=torch.bool)
+    for shift in (True, False):
+        expected = masked_whiten(all_values, everything, shift_mean=shift).split([m.sum() for _, m in shards])
+        for rank, (values, mask) in enumerate(shards):
+            got = torch.load(tmp_path / f"rank{rank}.pt")[shift]
+            torch.testing.assert_close(got[mask], expected[rank])
+            assert (got[~mask] == 0).all()
+            local = masked_whiten(values, mask, shift_mean=shift)
+            assert not torch.allclose(got[mask], local[mask])
+
+
+# ----------------------------------------------------------------------------------------------- rewards
+def test_place_reward_on_eos_uses_last_masked_position():
+    mask = torch.cat([MASKS["left_padded"], right_padded_mask([8, 2], seq=8)])
+    scores = torch.tensor([1.5, -2.0, 3.0, 0.25, -1.0, 7.0, 9.0])
+    rewards = place_reward_on_eos(scores, mask)
+    assert rewards.shape == mask.shape
+    for b in range(mask.shape[0]):
+        expected = torch.zeros(mask.shape[1])
+        positions = mask[b].nonzero()
+        if len(positions):
+            expected[positions[-1]] = scores[b]
+        torch.testing.assert_close(rewards[b], expected)
+
+
+def test_place_reward_on_eos_empty_row_gets_nothing():
+    mask = torch.tensor([[0, 0, 0], [0, 1, 0]])
+    rewards = place_reward_on_eos(torch.tensor([5.0, 2.0]), mask)
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 0.0]]))
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_compute_token_rewards_is_kl_penalty_plus_score(kind):
+    mask = MASKS["left_padded"]
+    gen = torch.Generator().manual_seed(13)
+    logprobs, ref_logprobs = -torch.rand(2, *mask.shape, generator=gen) * 4
+    scores = torch.randn(mask.shape[0], generator=gen)
+    rewards, kl = compute_token_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=0.05, kind=kind)
+
+    expected_kl = torch.where(mask, kl_penalty(logprobs, ref_logprobs, kind), 0.0)
+    torch.testing.assert_close(kl, expected_kl)
+    torch.testing.assert_close(rewards, -0.05 * expected_kl + place_reward_on_eos(scores, mask))
+    assert (rewards[~mask] == 0).all()
+
+
+def test_normalize_rewards():
+    scores = torch.tensor([-3.0, 0.0, 1.0, 10.0])
+    torch.testing.assert_close(normalize_rewards(scores, 1.0, 2.0), torch.tensor([-2.0, -0.5, 0.0, 4.5]))
+    torch.testing.assert_close(normalize_rewards(scores, 1.0, 2.0, clip=3.0), torch.tensor([-2.0, -0.5, 0.0, 3.0]))
+    at_zero_std = normalize_rewards(scores, 1.0, 0.0)
+    assert torch.isfinite(at_zero_std).all()
+    torch.testing.assert_close(at_zero_std, scores - 1.0)
+    torch.testing.assert_close(
+        normalize_rewards(scores, torch.tensor(1.0), torch.tensor(2.0)), torch.tensor([-2.0, -0.5, 0.0, 4.5])
+    )
+
+
+# ----------------------------------------------------------------------------------------------- group advantages
+def test_grpo_groups_have_zero_mean_unit_std():
+    n = 4
+    scores = torch.randn(5 * n, generator=torch.Generator().manual_seed(14), dtype=torch.float64) * 3 + 1
+    advantages = group_advantages(scores, n, "grpo").reshape(-1, n)
+    torch.testing.assert_close(advantages.mean(dim=1), torch.zeros(5, dtype=torch.float64))
+    torch.testing.assert_close(advantages.std(dim=1), torch.ones(5, dtype=torch.float64), atol=1e-4, rtol=0)
+    # Groups are consecutive samples: the first group is normalised by its own statistics only.
+    first = scores[:n]
+    torch.testing.assert_close(advantages[0], (first - first.mean()) / (first.std() + 1e-6))
+
+
+def test_grpo_group_with_equal_scores_gives_zero_not_nan():
+    advantages = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0]), 3, "grpo")
+    assert torch.isfinite(advantages).all()
+    assert (advantages[:3] == 0).all()
+
+
+def test_rloo_matches_leave_one_out_loop():
+    n = 3
+    scores = torch.randn(4 * n, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    advantages = group_advantages(scores, n, "rloo")
+    for i in range(len(scores)):
+        start = i // n * n
+        others = [scores[j].item() for j in range(start, start + n) if j != i]
+        assert advantages[i].item() == pytest.approx(scores[i].item() - sum(others) / len(others))
+
+
+def test_rloo_needs_two_samples_per_prompt():
+    with pytest.raises(ValueError, match="n_samples_per_prompt >= 2"):
+        group_advantages(torch.randn(4), 1, "rloo")
+
+
+def test_reinforce_plus_plus_keeps_scores():
+    scores = torch.randn(6)
+    advantages = group_advantages(scores, 2, "reinforce++")
+    torch.testing.assert_close(advantages, scores)
+    advantages += 1
+    assert not torch.equal(advantages, scores)  # a copy, so whitening it later cannot change the scores
+
+
+def test_group_advantages_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="does not split into groups"):
+        group_advantages(torch.randn(5), 2, "grpo")
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        group_advantages(torch.randn(4), 2, "ppo")
+
+
+def test_whitening_a_constant_gives_zeros_not_nan():
+    mask = MASKS["right_padded"]
+    constant = torch.full(mask.shape, 3.0)
+    assert (masked_whiten(constant, mask) == 0).all()
+    assert (distributed_masked_whiten(constant, mask) == 0).all()
