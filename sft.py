@@ -182,13 +182,14 @@ def main(args: Args):
         epoch = step // steps_per_epoch
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch)[step % steps_per_epoch]
-        start, stats = time.time(), torch.zeros(3, device=device())  # (loss sum, micro-batches, tokens)
+        start, stats = time.time(), torch.zeros(3, device=device())  # (loss sum, micro-batches, real tokens)
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
             loss = sft_loss(forward_logprobs(engine, batch), batch["loss_mask"])
             engine.backward(loss)
             engine.step()
-            stats += torch.tensor([loss.item(), 1, batch["input_ids"].numel()], device=stats.device)
+            real_tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+            stats += torch.tensor([loss.item(), 1, real_tokens], device=stats.device)
         dist.all_reduce(stats)
         metrics = {"train/loss": stats[0] / stats[1], "train/lr": engine.get_lr()[0], "train/epoch": epoch,
                    "perf/tokens_per_sec": stats[2] / (time.time() - start)}

@@ -32,22 +32,41 @@ def replace_dir(tmp: str, final: str) -> None:
         os.rename(tmp, final)
 
 
+def publish_model_files(tmp: str, out_dir: str) -> None:
+    """Move a complete model folder's files into out_dir, which may also hold logs and checkpoints.
+
+    config.json is what makes a folder loadable, so the old one goes first and the new one last: a run killed
+    part-way leaves a folder that transformers refuses to load, never one that mixes two models.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    config = os.path.join(out_dir, "config.json")
+    if os.path.exists(config):
+        os.remove(config)
+    names = sorted(os.listdir(tmp), key=lambda name: name == "config.json")
+    for name in names:
+        target = os.path.join(out_dir, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(tmp, name), target)
+    os.rmdir(tmp)
+
+
 def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict | None = None) -> None:
-    """Save a model (gathered from ZeRO-3 shards) and its tokenizer as a Hugging Face folder, atomically.
+    """Save a model (gathered from ZeRO-3 shards) and its tokenizer into out_dir as a Hugging Face folder.
 
     Collective: every rank must call it. `extra_config` entries are stored in config.json (e.g. reward mean/std).
     """
     model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     state = gathered_state_dict(model, rank)
     if rank == 0:
-        tmp = out_dir.rstrip("/") + ".tmp"
+        tmp = os.path.join(out_dir, ".model.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         for key, value in (extra_config or {}).items():
             setattr(model.config, key, value)
         model.config.use_cache = True  # restored for inference (training turns it off)
         model.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out_dir)
+        publish_model_files(tmp, out_dir)
     if dist.is_initialized():
         dist.barrier()
 

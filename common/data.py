@@ -236,3 +236,91 @@ def micro_batches(num_samples: int, train_batch_size: int, micro_batch_size: int
         mine = order[start + rank * per_rank: start + (rank + 1) * per_rank]
         steps.append([mine[i: i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
     return steps
+
+
+# ------------------------------------------------------------------------------------ preference and KTO samples
+def _tokenize_response(tokenizer, prompt, response, max_len: int, apply_chat_template: bool,
+                       input_template: str | None, end_with_eos: bool) -> tuple[dict, bool]:
+    """One prompt + response as {"input_ids", "loss_mask"} (the mask covers the response), and whether it was cut."""
+    text, spans = render_pair(tokenizer, prompt, str(response), apply_chat_template, input_template)
+    ids, mask = tokenize_with_spans(tokenizer, text, spans)
+    mask[0] = 0  # the first token has nothing before it to be predicted from
+    truncated = len(ids) > max_len
+    ids, mask = ids[:max_len], mask[:max_len]
+    if end_with_eos and ids[-1] != tokenizer.eos_token_id:  # a reward is read at an EOS, even after truncation
+        ids, mask = ids[: max_len - 1] + [tokenizer.eos_token_id], mask[: max_len - 1] + [1]
+    return {"input_ids": ids, "loss_mask": mask}, truncated
+
+
+def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rejected_key, max_len,
+                             apply_chat_template=False, input_template=None, margin_key=None, end_with_eos=False,
+                             log=print) -> list[dict]:
+    """Tokenize preference pairs into {"chosen": sample, "rejected": sample, "margin": float} (rm.py, dpo.py).
+
+    Each side is {"input_ids", "loss_mask"} with the mask on its response tokens. `margin` is row[margin_key] when
+    the row has it, else 0. A pair whose chosen and rejected texts are identical teaches nothing and is skipped;
+    so is a pair left with no response token after truncation to max_len. Both counts are reported.
+    """
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, identical, dropped = [], 0, 0, 0
+    for i, row in enumerate(rows):
+        prompt = get_key(row, input_key, i, source)
+        chosen, rejected = get_key(row, chosen_key, i, source), get_key(row, rejected_key, i, source)
+        if str(chosen) == str(rejected):
+            identical += 1
+            continue
+        margin = row.get(margin_key, 0.0) if margin_key else 0.0
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise DataError(f"{source}, sample {i}: {margin_key!r} must be a number, got {margin!r}.")
+        pair = {"margin": float(margin)}
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            pair[side], cut = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template,
+                                                 input_template, end_with_eos)
+            truncated += cut
+        if sum(pair["chosen"]["loss_mask"]) == 0 or sum(pair["rejected"]["loss_mask"]) == 0:
+            dropped += 1
+            continue
+        samples.append(pair)
+    if identical:
+        log(f"warning: {source}: skipped {identical} of {len(rows)} pairs whose {chosen_key!r} and "
+            f"{rejected_key!r} are identical.")
+    if not samples:
+        raise DataError(f"{source} has no usable pair: every pair is identical or longer than --max_len {max_len} "
+                        f"before its responses start.")
+    if truncated or dropped:
+        log(f"{source}: {truncated} responses truncated to --max_len {max_len}; "
+            f"{dropped} pairs dropped because no response token was left.")
+    return samples
+
+
+def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key, max_len, apply_chat_template=False,
+                      input_template=None, log=print) -> list[dict]:
+    """Tokenize unpaired feedback into {"input_ids", "loss_mask", "prompt_len", "label"} (kto.py).
+
+    `label` must be a JSON boolean (true: a desirable response). `prompt_len` is the number of tokens before the
+    response, so a response can be put after another sample's prompt (KTO's KL reference point).
+    """
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, dropped = [], 0, 0
+    for i, row in enumerate(rows):
+        prompt, response = get_key(row, input_key, i, source), get_key(row, output_key, i, source)
+        label = get_key(row, label_key, i, source)
+        if not isinstance(label, bool):
+            raise DataError(f"{source}, sample {i}: {label_key!r} must be true or false (a JSON boolean), "
+                            f"got {label!r}.")
+        sample, cut = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template, input_template,
+                                         end_with_eos=False)
+        truncated += cut
+        if sum(sample["loss_mask"]) == 0:
+            dropped += 1
+            continue
+        samples.append({**sample, "prompt_len": sample["loss_mask"].index(1), "label": label})
+    if not samples:
+        raise DataError(f"every sample of {source} is longer than --max_len {max_len} before its response starts; "
+                        f"raise --max_len.")
+    if truncated or dropped:
+        log(f"{source}: {truncated} of {len(rows)} samples truncated to --max_len {max_len}; "
+            f"{dropped} dropped because no response token was left.")
+    return samples

@@ -25,3 +25,23 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution at each position: (batch, seq, vocab) -> (batch, seq)."""
     logp = F.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# ------------------------------------------------------------------------------------------------ reward models
+def sequence_rewards(model, input_ids, attention_mask, normalize: bool = False) -> torch.Tensor:
+    """The scalar reward of each sequence, read at its last real token: (batch,).
+
+    `model` is an AutoModelForSequenceClassification with num_labels=1, as rm.py saves it. transformers reads the
+    score at the rightmost token that is not config.pad_token_id, so padding (left or right) is rewritten to that id
+    here and the last real token, the EOS rm.py trains on, is the one read. `normalize` applies the reward mean and
+    std that rm.py stores in the config.
+    """
+    config = getattr(model, "module", model).config  # a DeepSpeed engine wraps the model
+    input_ids = input_ids.masked_fill(attention_mask == 0, config.pad_token_id)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding keeps positions from 0
+    scores = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits  # (batch, 1)
+    rewards = scores.squeeze(-1).float()
+    if normalize:
+        rewards = (rewards - config.reward_mean) / config.reward_std
+    return rewards

@@ -1,0 +1,134 @@
+"""Data plumbing: loading, templates, loss masks, truncation, packing, batching and argument parsing."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common import data
+from common.args import build_parser, parse_args
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def masked_text(tokenizer, sample) -> str:
+    return tokenizer.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+
+
+def build(tokenizer, rows, **kw):
+    kw = {"input_key": "prompt", "output_key": "response", "max_len": 128, **kw}
+    return data.build_sft_samples(rows, tokenizer, "test.jsonl", log=lambda m: None, **kw)
+
+
+def test_chat_template_masks_everything_but_the_response(tokenizer):
+    (sample,) = build(tokenizer, [{"prompt": "What is 2+3?", "response": "5"}], apply_chat_template=True)
+    assert masked_text(tokenizer, sample) == "5<eos>"
+    assert tokenizer.decode(sample["input_ids"]) == "<bos><|user|>\nWhat is 2+3?<eos><|assistant|>\n5<eos>"
+
+
+def test_input_template_and_plain_concatenation(tokenizer):
+    rows = [{"prompt": "2+3", "response": " 5"}]
+    (templated,) = build(tokenizer, rows, input_template="Q: {} A:")
+    assert tokenizer.decode(templated["input_ids"]) == "<bos>Q: 2+3 A: 5<eos>"
+    assert masked_text(tokenizer, templated) == " 5<eos>"
+    (plain,) = build(tokenizer, rows)
+    assert masked_text(tokenizer, plain) == " 5<eos>"
+
+
+def test_pretrain_mode_trains_on_every_token_after_the_first(tokenizer):
+    (sample,) = build(tokenizer, [{"text": "What is 2+3? 5"}], input_key="text", pretrain_mode=True)
+    assert sample["loss_mask"][0] == 0 and all(sample["loss_mask"][1:])
+
+
+def test_multi_turn_trains_on_every_assistant_turn_only(tokenizer):
+    messages = [{"role": "user", "content": "Add 1 and 2."}, {"role": "assistant", "content": "3"},
+                {"role": "user", "content": "Add 4 and 5."}, {"role": "assistant", "content": "9"}]
+    (sample,) = build(tokenizer, [{"messages": messages}], input_key="messages")
+    assert masked_text(tokenizer, sample) == "3<eos>9<eos>"
+
+
+def test_truncation_and_dropping_are_counted_and_all_too_long_is_an_error(tokenizer):
+    logs = []
+    rows = [{"prompt": "What is 2+3?", "response": "5" * 40}, {"prompt": "What is 12+30? " * 20, "response": "42"}]
+    samples = data.build_sft_samples(rows, tokenizer, "t.jsonl", "prompt", "response", 16, log=logs.append)
+    assert len(samples) == 1 and len(samples[0]["input_ids"]) == 16
+    assert "1 of 2 samples truncated" not in logs[0] and "2 of 2 samples truncated" in logs[0]
+    assert "1 dropped" in logs[0]
+    with pytest.raises(data.DataError, match="raise --max_len"):
+        data.build_sft_samples(rows[1:], tokenizer, "t.jsonl", "prompt", "response", 16, log=logs.append)
+
+
+def test_packed_loss_and_gradients_equal_padded(tiny_model, tokenizer):
+    from sft import forward_logprobs, sft_loss
+
+    rows = [{"prompt": f"What is {a}+{a * 3}?" + " please" * (a % 3), "response": str(a * 4)} for a in range(6)]
+    samples = build(tokenizer, rows, apply_chat_template=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    losses, grads = [], []
+    for batch in (data.pad_collate(samples, tokenizer.pad_token_id), data.pack_collate(samples)):
+        model.zero_grad()
+        loss = sft_loss(forward_logprobs(model, batch), batch["loss_mask"])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert data.pack_collate(samples)["input_ids"].shape[0] == 1
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+    # Without the restarting position_ids the samples would see each other and the loss would change.
+    packed = data.pack_collate(samples)
+    leaky = sft_loss(forward_logprobs(model, {"input_ids": packed["input_ids"]}), packed["loss_mask"])
+    assert abs(leaky.item() - losses[0]) > 1e-3
+
+
+def test_loading_formats_and_their_errors(tmp_path):
+    rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.json", "d.parquet"):
+        assert data.load_records(str(tmp_path / name)) == rows
+    assert len(data.load_records(str(tmp_path))) == 6  # a folder: every data file in it
+
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": oops}\n')
+    with pytest.raises(data.DataError, match=r"bad.jsonl, line 2: not valid JSON"):
+        data.load_records(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_records(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(data.DataError, match=r"no key 'question'.*\['prompt', 'response'\]"):
+        data.get_key(rows[0], "question", 0, "d.jsonl")
+
+
+def test_micro_batches_split_a_global_batch_across_ranks_deterministically():
+    world, steps = 2, []
+    for rank in range(world):
+        steps.append(data.micro_batches(50, 8, 2, world, rank, seed=1, epoch=3))
+    assert len(steps[0]) == 6  # 50 // 8 full global batches
+    for step in range(6):
+        both = [i for r in range(world) for mb in steps[r][step] for i in mb]
+        assert len(both) == len(set(both)) == 8 and all(len(mb) == 2 for mb in steps[0][step])
+    assert steps[0] == data.micro_batches(50, 8, 2, world, 0, seed=1, epoch=3)
+    assert steps[0] != data.micro_batches(50, 8, 2, world, 0, seed=1, epoch=4)
+
+
+@dataclass
+class _Args:
+    lr: float = 1e-5
+    """peak learning rate"""
+    packing: bool = False
+    """pack samples"""
+    name: str | None = None
+    """optional name"""
+
+
+def test_args_docstrings_become_help_and_booleans_parse():
+    assert "peak learning rate" in build_parser(_Args).format_help()
+    assert parse_args(_Args, ["--packing"]).packing is True
+    assert parse_args(_Args, ["--packing", "false", "--lr", "3e-4", "--local_rank=1"]) == _Args(3e-4, False, None)

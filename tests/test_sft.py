@@ -1,0 +1,105 @@
+"""sft.py end to end on the real stack: 2-rank ZeRO-3 learning, transformers/vLLM loading, SIGKILL resume, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.task_eval import greedy_responses, task_accuracy
+from conftest import ROOT, kill_group, run_script
+
+
+def sft_args(model, task, out, *extra):
+    return ["--pretrain", model, "--dataset", task["sft_train"], "--apply_chat_template", "--output_dir", out,
+            "--max_len", "64", *extra]
+
+
+def metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_rank_zero3_sft_learns_and_saves_a_model_transformers_and_vllm_agree_on(tiny_model, task, tmp_path):
+    out = str(tmp_path / "sft")
+    run_script("sft.py", sft_args(tiny_model, task, out, "--zero_stage", "3", "--max_steps", "400",
+                                  "--train_batch_size", "32", "--micro_train_batch_size", "16",
+                                  "--learning_rate", "3e-3", "--warmup_ratio", "0.05", "--logging_steps", "10",
+                                  "--eval_dataset", task["sft_eval"], "--eval_steps", "200"), nprocs=2)
+    log = metrics(out)
+    train_losses = [m["train/loss"] for m in log if "train/loss" in m]
+    assert train_losses[-1] < 0.5 * train_losses[0]
+    eval_losses = [m["eval/loss"] for m in log if "eval/loss" in m]
+    assert len(eval_losses) >= 2 and eval_losses[-1] < eval_losses[0]
+
+    base, trained = (task_accuracy(m, task["prompts_eval"]) for m in (tiny_model, out))
+    assert base == 0.0 and trained >= 0.04, (base, trained)  # chance is ~1%
+
+    prompts = [json.loads(line)["prompt"] for line in open(task["prompts_eval"])][:48]
+    hf = greedy_responses(out, prompts)
+    cmd = [sys.executable, "-m", "common.task_eval", "--model", out, "--prompts", task["prompts_eval"],
+           "--limit", "48", "--engine", "vllm", "--show_responses"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    vllm = json.loads(result.stdout.strip().splitlines()[-1])["responses"]
+    assert vllm == hf
+
+
+def test_sigkilled_run_resumes_to_the_same_result(tiny_model, task, tmp_path):
+    common = ["--zero_stage", "3", "--max_steps", "12", "--save_steps", "4", "--train_batch_size", "16",
+              "--micro_train_batch_size", "4", "--learning_rate", "2e-3"]
+    reference = str(tmp_path / "reference")
+    run_script("sft.py", sft_args(tiny_model, task, reference, *common), nprocs=2)
+
+    out = str(tmp_path / "resumed")
+    proc = run_script("sft.py", sft_args(tiny_model, task, out, *common), nprocs=2, background=True)
+    latest = os.path.join(out, "checkpoints", "latest")
+    deadline = time.time() + 300
+    while not os.path.exists(latest) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read()[-3000:]
+    kill_group(proc)
+    killed_at = int(open(latest).read().split("_")[1])
+    assert killed_at < 12 and not os.path.exists(os.path.join(out, "config.json"))
+
+    result = run_script("sft.py", sft_args(tiny_model, task, out, *common), nprocs=2)
+    assert f"resumed from {os.path.join(out, 'checkpoints')} at step {killed_at}" in result.stdout
+    final, expected = metrics(out)[-1], metrics(reference)[-1]
+    assert final["step"] == expected["step"] == 12
+    assert final["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-4)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [".partial", "latest", "step_12", "step_8"]
+
+
+def bad_input_cases(tiny_model, task, tmp):
+    bad = os.path.join(tmp, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": "b"}\n{"prompt": oops}\n')
+    empty = os.path.join(tmp, "empty.jsonl")
+    open(empty, "w").close()
+    return {
+        "missing model": (["--pretrain", os.path.join(tmp, "no_such_model")], "no_such_model does not exist"),
+        "missing dataset": (["--dataset", os.path.join(tmp, "nope.jsonl")], "nope.jsonl does not exist"),
+        "malformed line": (["--dataset", bad], "bad.jsonl, line 3: not valid JSON"),
+        "missing key": (["--input_key", "question"], "no key 'question'; the keys present are ['prompt', 'response']"),
+        "empty dataset": (["--dataset", empty], "empty.jsonl is empty"),
+        "batch size": (["--train_batch_size", "10", "--micro_train_batch_size", "4"], "must be a multiple of"),
+        "too long": (["--max_len", "6"], "raise --max_len"),
+    }
+
+
+def test_bad_input_gives_one_clear_sentence_and_writes_nothing(tiny_model, task, tmp_path):
+    cases = bad_input_cases(tiny_model, task, str(tmp_path))
+    procs = {}
+    for name, (override, _) in cases.items():
+        out = str(tmp_path / name.replace(" ", "_"))
+        args = sft_args(tiny_model, task, out, "--max_steps", "2") + override  # later flags win
+        procs[name] = (out, subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *args], cwd=ROOT,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for name, (out, proc) in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{stderr[-2000:]}"
+        assert len(errors) == 1 and cases[name][1] in errors[0], f"{name}: {errors or stderr[-2000:]}"
+        assert not os.path.exists(out), f"{name}: {out} was written"
