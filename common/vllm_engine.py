@@ -1,0 +1,216 @@
+"""Start vLLM engines as Ray actors that generate rollouts and take weight updates from the trainer.
+
+    engines = create_vllm_engines(num_engines=2, tensor_parallel_size=1, pretrain_path=path, seed=42,
+                                  max_model_len=1024)
+    samples = ray.get(engines[0].generate.remote(prompt_token_ids, n=4, temperature=1.0, max_tokens=256))
+    samples[prompt][sample] == {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
+
+Only plain Python data crosses Ray. On GPU each engine holds `tensor_parallel_size` GPUs from a placement group
+(bundles of {"GPU": 1, "CPU": 1}), and vLLM spreads a tensor-parallel engine over them with its Ray backend. On CPU
+each engine holds `num_cpus_per_engine` CPUs and tensor parallelism is not available. Weight updates use
+common/weight_sync.py, whose worker extension every engine loads.
+"""
+
+import logging
+import os
+
+import ray
+from ray.util.placement_group import placement_group as new_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from common.args import UserError
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "common.weight_sync.WeightSyncWorkerExtension"
+
+# Share of a GPU each vLLM worker asks Ray for when it sits in a placement group passed in by the caller, which is
+# assumed to be shared with the trainer (colocation); the rest of the GPU stays with the trainer's actors.
+COLOCATED_GPU_SHARE = 0.2
+
+# KV cache of an engine on CPU when VLLM_CPU_KVCACHE_SPACE is unset: vLLM's own default reserves a share of all RAM.
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class VLLMEngine:
+    """One vLLM `LLM` inside a Ray actor; create it through `create_vllm_engines`."""
+
+    def __init__(self, pretrain_path: str, seed: int, max_model_len: int, tensor_parallel_size: int,
+                 gpu_memory_utilization: float, enforce_eager: bool, dtype: str, enable_sleep_mode: bool,
+                 use_gpu: bool, bundle_indices: list[int] | None, llm_kwargs: dict):
+        # The engine core runs in this process: a vLLM subprocess would escape Ray's resource accounting.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if bundle_indices is not None:  # tensor parallel: vLLM places its Ray workers on these bundles
+            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
+        if not use_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+        import vllm
+
+        self.use_gpu = use_gpu
+        self.enable_sleep_mode = enable_sleep_mode
+        self._tensor_parallel_size = tensor_parallel_size
+        self.llm = vllm.LLM(
+            model=pretrain_path,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            dtype=dtype,
+            enable_sleep_mode=enable_sleep_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            **llm_kwargs,
+        )
+
+    def ready(self) -> bool:
+        """True once the engine has loaded its model; `ray.get` on it re-raises any error from start-up."""
+        return True
+
+    def tensor_parallel_size(self) -> int:
+        return self._tensor_parallel_size
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_tokens: int = 16, logprobs: bool = True, **sampling_kwargs) -> list[list[dict]]:
+        """Sample `n` continuations of every prompt; result[i][j] is sample j of prompt i.
+
+        Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str}, where
+        logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
+        before temperature and top_p). Extra keyword arguments go to `vllm.SamplingParams` (top_k, stop_token_ids, ...).
+        """
+        import vllm
+
+        params = vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                     logprobs=0 if logprobs else None, **sampling_kwargs)  # 0: only the sampled token
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
+        results = []
+        for output in outputs:
+            samples = []
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                token_ids = list(completion.token_ids)
+                token_logprobs = None
+                if logprobs:
+                    token_logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, completion.logprobs)]
+                samples.append({"token_ids": token_ids, "logprobs": token_logprobs,
+                                "finish_reason": completion.finish_reason})
+            results.append(samples)
+        return results
+
+    def init_weight_sync_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                               backend: str) -> None:
+        """Join every worker of this engine to the trainer's weight-sync group (see common/weight_sync.py)."""
+        self.llm.collective_rpc("weight_sync_init",
+                                args=(master_address, master_port, rank_offset, world_size, backend))
+
+    def update_weights(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        """Receive one bucket of weights, listed as (name, dtype, shape), from the trainer's broadcast."""
+        self.llm.collective_rpc("weight_sync_receive_bucket", args=(meta,))
+
+    def finish_weight_update(self) -> None:
+        """After the last bucket: finish loading, and forget cached KV, which the old weights computed."""
+        self.llm.collective_rpc("weight_sync_finish")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update; "
+                               "do not update weights while this engine is generating.")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU for the trainer: level 1 moves the weights to CPU memory and drops the KV cache."""
+        if not self.use_gpu:
+            logger.warning("vLLM engine sleep() does nothing on CPU: the CPU backend has no sleep mode.")
+            return
+        if not self.enable_sleep_mode:
+            raise RuntimeError("sleep() needs engines created with create_vllm_engines(..., enable_sleep_mode=True).")
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the GPU memory back after `sleep`; `tags` (e.g. ["weights"]) wakes only part of it."""
+        if not self.use_gpu:
+            logger.warning("vLLM engine wake_up() does nothing on CPU: the CPU backend has no sleep mode.")
+            return
+        if not self.enable_sleep_mode:
+            raise RuntimeError("wake_up() needs engines created with create_vllm_engines(..., enable_sleep_mode=True).")
+        self.llm.wake_up(tags=tags)
+
+
+def _check_model_path(path: str) -> None:
+    """Fail before any actor starts when `path` names a local folder that is not there or holds no model."""
+    looks_like_hub_name = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise UserError(f"pretrain_path {path} has no config.json; give a Hugging Face model folder.")
+    elif not looks_like_hub_name:
+        raise UserError(f"pretrain_path {path} does not exist; give a Hugging Face model folder or hub name.")
+
+
+def _check_resources(kind: str, needed: float, what: str) -> None:
+    """Fail in one sentence when Ray lacks `needed` units of `kind`, instead of waiting forever for a placement."""
+    available = ray.available_resources().get(kind, 0)
+    if available < needed:
+        total = ray.cluster_resources().get(kind, 0)
+        raise UserError(f"{what} need {needed:g} {kind}s but Ray has {available:g} of {total:g} free; "
+                        f"ask for fewer engines or give Ray more {kind}s (ray.init(num_{kind.lower()}s=...)).")
+
+
+def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_path: str, seed: int,
+                        max_model_len: int, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
+                        placement_group=None, dtype: str = "auto", enable_sleep_mode: bool = False,
+                        num_cpus_per_engine: int = 1, **llm_kwargs) -> list:
+    """Start `num_engines` engines (engine i seeded with seed + i) and return their Ray actor handles, all ready.
+
+    GPU when the Ray cluster has GPUs, CPU otherwise. `placement_group`, if given, must hold
+    num_engines * tensor_parallel_size GPU bundles; it is taken to be shared with the trainer, so each vLLM worker
+    asks for COLOCATED_GPU_SHARE of its GPU (use enable_sleep_mode to hand memory back during training).
+    Without one, the engines get a placement group of their own. On CPU, `gpu_memory_utilization` is ignored:
+    VLLM_CPU_KVCACHE_SPACE (GiB, default 1) sizes the KV cache. Extra keyword arguments go to `vllm.LLM`.
+    """
+    if not ray.is_initialized():
+        raise UserError("create_vllm_engines needs Ray: call ray.init() first.")
+    _check_model_path(pretrain_path)
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    if not use_gpu and tensor_parallel_size != 1:
+        raise UserError(f"tensor_parallel_size is {tensor_parallel_size} but Ray has no GPUs; "
+                        "vLLM on CPU runs one worker per engine, so use tensor_parallel_size=1.")
+    num_workers = num_engines * tensor_parallel_size
+    what = f"{num_engines} vLLM engine(s) x tensor_parallel_size {tensor_parallel_size}"
+
+    if use_gpu:
+        gpu_share = 1.0 if placement_group is None else COLOCATED_GPU_SHARE
+        if placement_group is None:
+            _check_resources("GPU", num_workers, what)
+            placement_group = new_placement_group([{"GPU": 1, "CPU": 1}] * num_workers, strategy="PACK")
+        elif len(placement_group.bundle_specs) < num_workers:
+            raise UserError(f"the placement group passed has {len(placement_group.bundle_specs)} bundles but "
+                            f"{what} need {num_workers}.")
+    else:
+        gpu_share = 0
+        if placement_group is None:
+            _check_resources("CPU", num_engines * num_cpus_per_engine, f"{num_engines} vLLM engine(s) on CPU")
+            placement_group = new_placement_group([{"CPU": num_cpus_per_engine}] * num_engines, strategy="PACK")
+    try:
+        ray.get(placement_group.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        raise UserError(f"Ray could not place {what} within 120 s; the cluster has {ray.available_resources()} free."
+                        ) from None
+
+    engines = []
+    for i in range(num_engines):
+        first_bundle = i * tensor_parallel_size if use_gpu else i
+        tp_bundles = list(range(first_bundle, first_bundle + tensor_parallel_size))
+        env_vars = {"VLLM_RAY_PER_WORKER_GPUS": str(gpu_share)} if use_gpu else {}
+        actor = ray.remote(VLLMEngine).options(
+            # With tensor parallelism the engine actor only drives vLLM's Ray workers, which take the GPUs.
+            num_cpus=0 if use_gpu else num_cpus_per_engine,
+            num_gpus=gpu_share if tensor_parallel_size == 1 else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=first_bundle,
+                placement_group_capture_child_tasks=True,
+            ),
+            runtime_env={"env_vars": env_vars},
+        )
+        engines.append(actor.remote(
+            pretrain_path, seed + i, max_model_len, tensor_parallel_size, gpu_memory_utilization, enforce_eager,
+            dtype, enable_sleep_mode, use_gpu, tp_bundles if tensor_parallel_size > 1 else None, llm_kwargs))
+    ray.get([engine.ready.remote() for engine in engines])
+    return engines

@@ -1,0 +1,209 @@
+"""Copy the trainer's weights into running vLLM engines, in buckets, over a process group of their own.
+
+The group joins trainer rank 0 (rank 0 of the group) and every vLLM worker (ranks 1..num_engines * tp). It is built
+from a TCPStore and a ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) object directly, so the default process group
+of either side (DeepSpeed's on the trainer, vLLM's own on each engine) is never touched.
+
+One sync, seen from the trainer:
+
+    group = init_weight_sync_group(engines)                        # once, after the engines are ready
+    stats = broadcast_weights_to_vllm(iter_gathered_params(model), engines, group)   # after each training step
+
+Parameters are packed into buckets: several tensors of one dtype flattened into one buffer of up to `bucket_bytes`,
+sent with one broadcast. For each bucket the trainer first tells every engine, with a Ray call that runs while the
+trainer broadcasts, the list of (name, dtype, shape) in it; the worker receives the buffer, splits it back into
+tensors and loads them under their Hugging Face names, which vLLM's weight loader maps onto its fused layers.
+
+The vLLM side is `WeightSyncWorkerExtension`, which vLLM mixes into its worker class
+(`LLM(worker_extension_cls=...)`, see common/vllm_engine.py) and whose methods run there through `collective_rpc`.
+"""
+
+import datetime
+import math
+import socket
+import time
+from collections.abc import Iterable, Iterator
+
+import ray
+import torch
+
+# How long a broadcast or the group's rendezvous waits for the other side before failing, instead of hanging.
+SYNC_TIMEOUT = datetime.timedelta(minutes=10)
+
+# ZeRO-3 parameters gathered at once by `iter_gathered_params`: enough to keep the gathers busy, few enough that a
+# large model is never materialised whole on one rank.
+PARAMS_PER_GATHER = 8
+
+
+def new_process_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str):
+    """A process group object for `rank`, rendezvousing over a TCPStore that rank 0 hosts; not registered globally.
+
+    Every rank must call this concurrently: the constructor returns only once all `world_size` ranks have joined.
+    """
+    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                                       timeout=SYNC_TIMEOUT, wait_for_workers=False)
+    if backend == "gloo":
+        return torch.distributed.ProcessGroupGloo(store, rank, world_size, SYNC_TIMEOUT)
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = SYNC_TIMEOUT
+        return torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
+    raise ValueError(f"weight-sync backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU).")
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------------ trainer side
+def init_weight_sync_group(engines: list, master_address: str | None = None, master_port: int | None = None,
+                           backend: str | None = None):
+    """Build the trainer <-> vLLM group on trainer rank 0 and return the trainer's end of it.
+
+    Call it on trainer rank 0 only. The backend follows the trainer's device (NCCL on GPU, gloo on CPU);
+    the address defaults to this node's IP as Ray sees it, so engines on other nodes can reach it.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    master_address = master_address or ray.util.get_node_ip_address()
+    master_port = master_port or free_port()
+    tp_sizes = ray.get([engine.tensor_parallel_size.remote() for engine in engines])
+    world_size = 1 + sum(tp_sizes)
+    rank_offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
+    # The engines' rendezvous blocks until this process joins too, so start theirs first and wait for them after.
+    refs = [engine.init_weight_sync_group.remote(master_address, master_port, offset, world_size, backend)
+            for engine, offset in zip(engines, rank_offsets)]
+    group = new_process_group(master_address, master_port, 0, world_size, backend)
+    ray.get(refs)
+    return group
+
+
+def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, full tensor) for every parameter of a plain or ZeRO-3-partitioned model.
+
+    ZeRO-3 parameters (those with a `ds_id`) are gathered PARAMS_PER_GATHER at a time, so the whole model never sits
+    gathered in memory. Gathering is a collective: every trainer rank must run through this iterator, even though
+    only rank 0 sends. A yielded tensor is valid only until the next one is asked for (the gathered copy is freed).
+    """
+    if type(model).__name__ == "DeepSpeedEngine":
+        model = model.module  # its parameter names carry a "module." prefix vLLM does not know
+    named = list(model.named_parameters())
+    if not any(hasattr(p, "ds_id") for _, p in named):
+        for name, p in named:
+            yield name, p.detach()
+        return
+    import deepspeed
+
+    for start in range(0, len(named), PARAMS_PER_GATHER):
+        chunk = named[start:start + PARAMS_PER_GATHER]
+        partitioned = [p for _, p in chunk if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
+            for name, p in chunk:
+                yield name, p.detach()
+
+
+@torch.no_grad()
+def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], engines: list, group,
+                              bucket_bytes: int = 256 * 2**20) -> dict:
+    """Send every (name, tensor) to all engines in buckets of up to `bucket_bytes`, then make the engines use them.
+
+    Runs on trainer rank 0. Each tensor is copied into the bucket as soon as it arrives, so `named_params` may free
+    it right after (as `iter_gathered_params` does). A tensor larger than `bucket_bytes` travels alone. Returns
+    counts and the wall time, e.g. {"weight_sync/buckets": 3, "weight_sync/tensors": 21, ...}.
+    """
+    start_time = time.perf_counter()
+    stats = {"weight_sync/buckets": 0, "weight_sync/tensors": 0, "weight_sync/bytes": 0}
+    in_flight = []  # Ray refs of the previous bucket's load, checked one bucket later so loading overlaps packing
+
+    def send(flat: torch.Tensor, meta: list[tuple[str, str, tuple[int, ...]]]):
+        nonlocal in_flight
+        refs = [engine.update_weights.remote(meta) for engine in engines]
+        group.broadcast(flat, 0).wait()
+        ray.get(in_flight)
+        in_flight = refs
+        stats["weight_sync/buckets"] += 1
+        stats["weight_sync/bytes"] += flat.numel() * flat.element_size()
+
+    buffer, used, meta = None, 0, []
+    for name, tensor in named_params:
+        stats["weight_sync/tensors"] += 1
+        capacity = max(1, bucket_bytes // tensor.element_size())
+        same_kind = buffer is not None and (buffer.dtype, buffer.device) == (tensor.dtype, tensor.device)
+        if meta and not (same_kind and used + tensor.numel() <= capacity):
+            send(buffer[:used], meta)
+            used, meta = 0, []
+        entry = (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        if tensor.numel() > capacity:
+            send(tensor.detach().contiguous().view(-1), [entry])
+            continue
+        if not same_kind:
+            # (capacity,): bucket_bytes of this dtype, reused for every bucket, since a finished broadcast released it
+            buffer = torch.empty(capacity, dtype=tensor.dtype, device=tensor.device)
+        buffer[used:used + tensor.numel()].copy_(tensor.reshape(-1))
+        used += tensor.numel()
+        meta.append(entry)
+    if meta:
+        send(buffer[:used], meta)
+    ray.get(in_flight)
+    ray.get([engine.finish_weight_update.remote() for engine in engines])
+    stats["weight_sync/seconds"] = time.perf_counter() - start_time
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------- vLLM worker side
+class WeightSyncWorkerExtension:
+    """Methods vLLM adds to each of its workers (`self` is the worker: it has .rank, .device, .model_runner).
+
+    Their names carry a `weight_sync_` prefix because vLLM refuses an extension method whose name the worker class
+    already has, and vLLM's workers have a weight-transfer API of their own (update_weights, finish_weight_update).
+    """
+
+    def weight_sync_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                         backend: str) -> None:
+        """Join the trainer's weight-sync group as rank `rank_offset` + this worker's tensor-parallel rank."""
+        self._weight_sync_group = new_process_group(master_address, master_port, rank_offset + self.rank, world_size,
+                                                    backend)
+        self._weight_reload_open = False
+
+    def weight_sync_receive_bucket(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        """Receive one bucket from the trainer's broadcast and load its tensors into the model."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if not hasattr(self, "_weight_sync_group"):
+            raise RuntimeError("this vLLM worker has no weight-sync group; call init_weight_sync_group(engines) "
+                               "on the trainer before broadcast_weights_to_vllm.")
+        dtype = getattr(torch, meta[0][1])
+        sizes = [math.prod(shape) for _, _, shape in meta]
+        # A fresh buffer per bucket, never reused: vLLM keeps views of it until every shard of a fused layer arrived,
+        # and a layer's shards (q_proj in this bucket, k_proj in the next) may straddle buckets.
+        flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)  # (bucket numel,)
+        # Receive before anything can fail, so that this worker never leaves the trainer's broadcast unmatched.
+        self._weight_sync_group.broadcast(flat, 0).wait()
+        tensors = [(name, t.view(shape)) for (name, _, shape), t in zip(meta, flat.split(sizes))]
+
+        # One in-place reload spans all buckets of a sync: vLLM's `reload_weights` run in pieces. Calling
+        # `reload_weights` per bucket would rebuild every layer each time and fill a fused layer split across two
+        # buckets (qkv_proj, gate_up_proj) with garbage for the shards its bucket lacked.
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            if not self._weight_reload_open:
+                initialize_layerwise_reload(model)
+                self._weight_reload_open = True
+            model.load_weights(weights=iter(tensors))
+
+    def weight_sync_finish(self) -> None:
+        """Close the reload the buckets opened: process layers still pending and drop state built on old weights."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self._weight_reload_open:
+            return
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+        self._weight_reload_open = False
+        self.model_runner.reset_lora_state()
+        self.model_runner.reset_encoder_cache()
+        self.model_runner.reset_mm_cache()

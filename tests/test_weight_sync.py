@@ -1,0 +1,161 @@
+"""Check that weights broadcast from a trainer-side HF model make a live vLLM engine (Ray actor) generate like it.
+
+Runs the real stack on CPU: Ray, one vLLM engine, a gloo weight-sync group. One engine serves the whole module
+(starting one costs ~20 s and its first generate ~12 s). A last test gathers a 2-rank ZeRO-3 model with
+iter_gathered_params, the trainer-side source of the weights.
+"""
+
+import os
+
+# Set before Ray starts, so that the engine's actor process inherits them.
+os.environ.update(HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", VLLM_CPU_KVCACHE_SPACE="1",
+                  VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+
+import pytest
+import ray
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.args import UserError
+from common.vllm_engine import create_vllm_engines
+from common.weight_sync import broadcast_weights_to_vllm, free_port, init_weight_sync_group, iter_gathered_params
+
+MAX_NEW_TOKENS = 12
+TEXTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9.", "What is 40+41?", "Add 19 and 2."]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    """Ray with 2 CPUs, one float32 vLLM engine on the tiny model, and the weight-sync group."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        engines = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain_path=tiny_model, seed=0,
+                                      max_model_len=256, enforce_eager=True, dtype="float32")
+        group = init_weight_sync_group(engines)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+        prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+        yield {"path": tiny_model, "engines": engines, "group": group, "prompts": prompts}
+    finally:
+        ray.shutdown()
+
+
+def trained_model(path: str, steps: int, seed: int):
+    """The HF model after a few Adam steps on arithmetic text, so its weights differ from those on disk."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    batch = tokenizer([f"{a}+{b}={a + b}" for a in range(seed, seed + 8) for b in range(3)], return_tensors="pt",
+                      padding=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def vllm_greedy(engine, prompts):
+    """vLLM's greedy continuation of each prompt: (token ids, log-probs of those tokens)."""
+    out = ray.get(engine.generate.remote(prompts, n=1, temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=True))
+    return [sample[0]["token_ids"] for sample in out], [sample[0]["logprobs"] for sample in out]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt):
+    """HF's greedy continuation of one prompt, cut after end-of-sequence as vLLM cuts it."""
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, tokens):
+    """log p(token | prefix) of each continuation token under the HF model, in float32."""
+    ids = torch.tensor([prompt + tokens])
+    logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)  # (seq, vocab)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return logprobs[positions, torch.tensor(tokens)]
+
+
+def test_synced_engine_generates_like_the_trainer(stack):
+    engine, prompts = stack["engines"][0], stack["prompts"]
+    model = trained_model(stack["path"], steps=10, seed=0)
+    expected = [hf_greedy(model, p) for p in prompts]
+
+    before, _ = vllm_greedy(engine, prompts)
+    assert before != expected, "the engine already generates like the trained model, so the test proves nothing"
+
+    stats = broadcast_weights_to_vllm(iter_gathered_params(model), [engine], stack["group"])
+    assert stats["weight_sync/tensors"] == len(list(model.parameters()))
+    tokens, logprobs = vllm_greedy(engine, prompts)
+    assert tokens == expected
+    for prompt, toks, lps in zip(prompts, tokens, logprobs):
+        reference = hf_logprobs(model, prompt, toks)
+        assert (torch.tensor(lps) - reference).abs().mean() < 1e-3
+
+
+def test_small_buckets_give_the_same_weights_as_one_bucket(stack):
+    engine, group, prompts = stack["engines"][0], stack["group"], stack["prompts"]
+    model = trained_model(stack["path"], steps=10, seed=1)
+    num_tensors = len(list(model.parameters()))
+
+    one = broadcast_weights_to_vllm(iter_gathered_params(model), [engine], group, bucket_bytes=2**30)
+    assert one["weight_sync/buckets"] == 1
+    reference = vllm_greedy(engine, prompts)
+
+    # Put the weights from disk back, so the small-bucket sync below has to change every weight again.
+    other = trained_model(stack["path"], steps=0, seed=0)
+    broadcast_weights_to_vllm(iter_gathered_params(other), [engine], group)
+    assert vllm_greedy(engine, prompts)[0] != reference[0]
+
+    # 64 KiB splits a layer's q/k/v (64 + 32 + 32 KiB) and gate/up projections across buckets.
+    small = broadcast_weights_to_vllm(iter_gathered_params(model), [engine], group, bucket_bytes=64 * 2**10)
+    assert 1 < small["weight_sync/buckets"] < num_tensors
+    assert small["weight_sync/bytes"] == one["weight_sync/bytes"]
+    assert vllm_greedy(engine, prompts) == reference
+
+
+def test_sleep_and_wake_up_do_nothing_on_cpu(stack):
+    engine, prompts = stack["engines"][0], stack["prompts"]
+    ray.get(engine.sleep.remote())
+    ray.get(engine.wake_up.remote())
+    assert len(vllm_greedy(engine, prompts)[0]) == len(prompts)
+
+
+def test_clear_errors_before_any_engine_starts(stack, tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        create_vllm_engines(1, 1, str(tmp_path / "no_such_model"), seed=0, max_model_len=256)
+    with pytest.raises(UserError, match="no config.json"):
+        create_vllm_engines(1, 1, str(tmp_path), seed=0, max_model_len=256)
+    with pytest.raises(UserError, match="tensor_parallel_size=1"):
+        create_vllm_engines(1, 2, stack["path"], seed=0, max_model_len=256)
+    with pytest.raises(UserError, match=r"need 4 CPUs but Ray has 1 of 2 free"):
+        create_vllm_engines(4, 1, stack["path"], seed=0, max_model_len=256)
+
+
+def _gather_on_rank(rank: int, world_size: int, port: int, path: str, out: str):
+    """One ZeRO-3 rank: load the model partitioned, then run through iter_gathered_params as every rank must."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    from common.deepspeed_utils import ds_config, init_distributed, init_eval_engine, load_model
+
+    init_distributed()
+    config = ds_config(stage=3, train_batch_size=world_size, micro_batch_size=1, world_size=world_size, train=False)
+    engine = init_eval_engine(load_model(path, config), config)
+    partitioned = sum(p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters() if hasattr(p, "ds_id"))
+    gathered = {name: t.clone() for name, t in iter_gathered_params(engine)}  # the engine itself, as a trainer has it
+    if rank == 0:
+        torch.save({"partitioned": partitioned, "params": gathered}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_gathered_zero3_params_are_the_full_hf_weights(tiny_model, tmp_path):
+    out = str(tmp_path / "gathered.pt")
+    mp.spawn(_gather_on_rank, args=(2, free_port(), tiny_model, out), nprocs=2, join=True)
+    result = torch.load(out)
+    expected = dict(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).named_parameters())
+    assert result["partitioned"] > 0, "ZeRO-3 left every parameter whole, so no gather was exercised"
+    assert list(result["params"]) == list(expected)
+    for name, tensor in result["params"].items():
+        torch.testing.assert_close(tensor, expected[name].detach(), rtol=0, atol=0)
