@@ -117,13 +117,16 @@ def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict
     dist.barrier()
 
 
-def load_train_state(engines: dict, ckpt_dir: str, rank: int) -> dict | None:
-    """Restore the latest checkpoint in ckpt_dir into the engines; return its client_state, or None if none."""
+def load_train_state(engines: dict, ckpt_dir: str, rank: int, step: int | None = None) -> dict | None:
+    """Restore a checkpoint (the latest, or that of `step`) into the engines; return its client_state, or None."""
     latest = os.path.join(ckpt_dir, LATEST)
-    if not os.path.exists(latest):
+    if step is not None:
+        tag = f"step_{step}"
+    elif not os.path.exists(latest):
         return None
-    with open(latest) as f:
-        tag = f.read().strip()
+    else:
+        with open(latest) as f:
+            tag = f.read().strip()
     client_state = None
     for name, engine in engines.items():
         path, client_state = engine.load_checkpoint(os.path.join(ckpt_dir, tag, name), tag="state",

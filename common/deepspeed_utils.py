@@ -34,8 +34,8 @@ def init_distributed() -> tuple[int, int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+    if torch.cuda.is_available():  # under Ray each worker sees only its own GPU(s), hence the modulo
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     deepspeed.init_distributed()
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
 

@@ -15,12 +15,13 @@ class MetricsLogger:
     """Write {step, metrics} to <out>/metrics.jsonl (+ tensorboard, + wandb). No-op on ranks other than 0."""
 
     def __init__(self, out_dir: str, rank: int, config: dict, use_wandb: bool = False, project: str = "rlhf",
-                 run_name: str | None = None):
+                 run_name: str | None = None, resumed: bool = False):
         self.active = rank == 0
         if not self.active:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        # A resumed run continues its metrics; a fresh one starts them over.
+        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resumed else "w")
         self.tb = self.wandb = None
         try:
             from torch.utils.tensorboard import SummaryWriter

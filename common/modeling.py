@@ -45,3 +45,19 @@ def sequence_rewards(model, input_ids, attention_mask, normalize: bool = False) 
     if normalize:
         rewards = (rewards - config.reward_mean) / config.reward_std
     return rewards
+
+
+# ----------------------------------------------------------------------------------------------------- critics
+def token_values(model, input_ids, attention_mask) -> torch.Tensor:
+    """A value for every position: the sequence-classification head applied to each hidden state, (batch, seq).
+
+    `model` is an AutoModelForSequenceClassification with num_labels=1 (a reward model, or a fresh head on the
+    policy), so a critic initialised from the reward model starts out predicting its scores.
+    """
+    model = getattr(model, "module", model)
+    backbone = getattr(model, model.base_model_prefix)
+    head = model.score if hasattr(model, "score") else model.classifier
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state  # (batch, seq, hidden)
+    return head(hidden).squeeze(-1).float()

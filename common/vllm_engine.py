@@ -67,6 +67,10 @@ class VLLMEngine:
         """True once the engine has loaded its model; `ray.get` on it re-raises any error from start-up."""
         return True
 
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (for placement reports)."""
+        return ray.get_runtime_context().get_node_id()
+
     def tensor_parallel_size(self) -> int:
         return self._tensor_parallel_size
 

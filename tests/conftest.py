@@ -35,6 +35,17 @@ def task(tmp_path_factory) -> dict:
     return write_task(str(tmp_path_factory.mktemp("task")), seed=0)
 
 
+@pytest.fixture(scope="session")
+def sft_model(tiny_model, task, tmp_path_factory) -> str:
+    """The tiny model after a short SFT on the task: it answers some held-out problems right, far from all."""
+    out = str(tmp_path_factory.mktemp("sft_model"))
+    run_script("sft.py", ["--pretrain", tiny_model, "--dataset", task["sft_train"], "--apply_chat_template",
+                          "--max_len", "64", "--max_steps", "600", "--train_batch_size", "32",
+                          "--micro_train_batch_size", "16", "--learning_rate", "2e-3", "--warmup_ratio", "0.05",
+                          "--output_dir", out])
+    return out
+
+
 def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 600, check: bool = True,
                background: bool = False):
     """Run a top-level script as a user would: `python script.py` (1 rank) or `deepspeed --num_gpus N script.py`."""
