@@ -701,7 +701,7 @@ def main(args: Args):
         ray.get(actor.call("sync_weights", engines))
         print(f"resumed from {ckpt_dir} at step {start_step}")
     logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
-                           resumed=start_step > 0)
+                           resume_step=start_step)
 
     def save_checkpoint(step):
         trained = {"actor": actor, **({"critic": critic} if critic else {})}

@@ -176,7 +176,7 @@ def main(args: Args):
     if start_step:
         print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
     logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
-                           resumed=start_step > 0)
+                           resume_step=start_step)
 
     bar = progress(total_steps, rank, "sft", initial=start_step)
     for step in range(start_step, total_steps):

@@ -15,13 +15,20 @@ class MetricsLogger:
     """Write {step, metrics} to <out>/metrics.jsonl (+ tensorboard, + wandb). No-op on ranks other than 0."""
 
     def __init__(self, out_dir: str, rank: int, config: dict, use_wandb: bool = False, project: str = "rlhf",
-                 run_name: str | None = None, resumed: bool = False):
+                 run_name: str | None = None, resume_step: int = 0):
         self.active = rank == 0
         if not self.active:
             return
         os.makedirs(out_dir, exist_ok=True)
-        # A resumed run continues its metrics; a fresh one starts them over.
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resumed else "w")
+        # A fresh run starts its metrics over; a resumed one keeps those up to its checkpoint and drops the steps
+        # it is about to run again, so every step appears once.
+        path = os.path.join(out_dir, "metrics.jsonl")
+        kept = []
+        if resume_step and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= resume_step]
+        self.file = open(path, "w")
+        self.file.writelines(kept)
         self.tb = self.wandb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
