@@ -37,12 +37,16 @@ def task(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def sft_model(tiny_model, task, tmp_path_factory) -> str:
-    """The tiny model after a short SFT on the task: it answers some held-out problems right, far from all."""
+    """The tiny model after a short 2-rank ZeRO-3 SFT on the task: it answers some held-out problems, far from all.
+
+    Shared by every test that needs a policy to start from; test_sft.py checks how it learned.
+    """
     out = str(tmp_path_factory.mktemp("sft_model"))
     run_script("sft.py", ["--pretrain", tiny_model, "--dataset", task["sft_train"], "--apply_chat_template",
                           "--max_len", "64", "--max_steps", "600", "--train_batch_size", "32",
                           "--micro_train_batch_size", "16", "--learning_rate", "2e-3", "--warmup_ratio", "0.05",
-                          "--output_dir", out])
+                          "--zero_stage", "3", "--eval_dataset", task["sft_eval"], "--eval_steps", "200",
+                          "--logging_steps", "10", "--output_dir", out], nprocs=2)
     return out
 
 

@@ -22,20 +22,17 @@ def metrics(out_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_two_rank_zero3_sft_learns_and_saves_a_model_transformers_and_vllm_agree_on(tiny_model, task, tmp_path):
-    out = str(tmp_path / "sft")
-    run_script("sft.py", sft_args(tiny_model, task, out, "--zero_stage", "3", "--max_steps", "400",
-                                  "--train_batch_size", "32", "--micro_train_batch_size", "16",
-                                  "--learning_rate", "3e-3", "--warmup_ratio", "0.05", "--logging_steps", "10",
-                                  "--eval_dataset", task["sft_eval"], "--eval_steps", "200"), nprocs=2)
+def test_two_rank_zero3_sft_learns_and_saves_a_model_transformers_and_vllm_agree_on(tiny_model, sft_model, task):
+    """sft_model (conftest.py) is 600 steps of `deepspeed --num_gpus 2 sft.py --zero_stage 3` on the task."""
+    out = sft_model
     log = metrics(out)
     train_losses = [m["train/loss"] for m in log if "train/loss" in m]
     assert train_losses[-1] < 0.5 * train_losses[0]
     eval_losses = [m["eval/loss"] for m in log if "eval/loss" in m]
-    assert len(eval_losses) >= 2 and eval_losses[-1] < eval_losses[0]
+    assert len(eval_losses) >= 3 and eval_losses[-1] < eval_losses[0]
 
     base, trained = (task_accuracy(m, task["prompts_eval"]) for m in (tiny_model, out))
-    assert base == 0.0 and trained >= 0.04, (base, trained)  # chance is ~1%
+    assert base == 0.0 and trained >= 0.1, (base, trained)  # chance is ~1%
 
     prompts = [json.loads(line)["prompt"] for line in open(task["prompts_eval"])][:48]
     hf = greedy_responses(out, prompts)
