@@ -111,6 +111,8 @@ class Args:
     """put every model and the vLLM engines on the same GPUs; vLLM sleeps while the models train"""
     cpus_per_worker: int = 1
     """CPUs for each worker and engine on a machine without GPUs"""
+    vllm_gpu_memory_utilization: float = 0.85
+    """share of each GPU vLLM may take for weights and KV cache (lower it when models share the GPUs)"""
     # --- training
     seed: int = 42
     """random seed"""
@@ -545,8 +547,7 @@ def load_prompts(args, tokenizer, source, split_name) -> list[dict]:
         if len(ids) > args.prompt_max_len:
             skipped += 1
             continue
-        prompts.append({"prompt": prompt if isinstance(prompt, str) else text, "ids": ids,
-                        "label": row.get(args.label_key)})
+        prompts.append({"prompt": prompt, "ids": ids, "label": row.get(args.label_key)})
     if not prompts:
         raise DataError(f"every prompt in {source} is longer than --prompt_max_len {args.prompt_max_len}; raise it.")
     if skipped:
@@ -632,6 +633,7 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
     roles["engines"] = create_vllm_engines(
         args.vllm_num_engines, args.vllm_tensor_parallel_size, args.pretrain, args.seed,
         max_model_len=args.prompt_max_len + args.generate_max_len, placement_group=shared,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
         dtype="auto" if use_gpus() else "float32", enforce_eager=not use_gpus(),
         logprobs_mode="processed_logprobs")
@@ -722,6 +724,14 @@ def main(args: Args):
                 f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")
         return {"eval/reward": total.mean(), **{"eval/" + k.split("/")[1]: v for k, v in parts.items()}}
 
+    # --colocate_all on GPUs: vLLM hands its memory back while the models train, and takes it again to generate.
+    engine_state = {"can_sleep": args.colocate_all and use_gpus(), "awake": True}
+
+    def engines_awake(awake: bool):
+        if engine_state["can_sleep"] and engine_state["awake"] != awake:
+            ray.get([e.wake_up.remote() if awake else e.sleep.remote() for e in engines])
+            engine_state["awake"] = awake
+
     bar = progress(args.max_steps, 0, "ppo", initial=start_step)
     for step in range(start_step, args.max_steps):
         timings, t0 = {}, time.time()
@@ -732,8 +742,10 @@ def main(args: Args):
         start = (step % per_pass) * args.rollout_batch_size
         picked = [prompts[order[(start + i) % len(prompts)]] for i in range(args.rollout_batch_size)]
         try:
+            engines_awake(True)
             outs = generate(engines, [p["ids"] for p in picked], args.n_samples_per_prompt, args.temperature,
                             args.top_p, args.generate_max_len)
+            engines_awake(False)
         except EngineDied as e:
             done = json.load(open(state_file))["step"] if os.path.exists(state_file) else None
             where = f"the checkpoint of step {done} in {ckpt_dir} is intact" if done else "no checkpoint was saved"
@@ -772,6 +784,7 @@ def main(args: Args):
 
         # 4. send the new weights to vLLM
         t0 = time.time()
+        engines_awake(True)
         sync = ray.get(actor.call("sync_weights", engines))[0]
         timings["time/weight_sync"] = time.time() - t0
 
