@@ -93,6 +93,10 @@ def run_main(main, args) -> None:
     try:
         main(args)
     except UserError as e:
+        from tqdm import tqdm
+
+        for bar in list(tqdm._instances):  # end any progress bar's line, so the error starts a line of its own
+            bar.close()
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
