@@ -324,3 +324,11 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
         log(f"{source}: {truncated} of {len(rows)} samples truncated to --max_len {max_len}; "
             f"{dropped} dropped because no response token was left.")
     return samples
+
+
+def reward_model_input_ids(tokenizer, prompt, response: str, max_len: int, apply_chat_template: bool = False,
+                           input_template: str | None = None) -> list[int]:
+    """The tokens a reward model scores: prompt + response ended by EOS, rendered as rm.py renders its pairs."""
+    sample, _ = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template, input_template,
+                                   end_with_eos=True)
+    return sample["input_ids"]

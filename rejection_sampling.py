@@ -1,0 +1,459 @@
+"""Rejection sampling: best-of-n SFT data, conditional SFT data and iterative DPO pairs, sampled with vLLM and scored
+with reward models and rule-based rewards.
+
+For every prompt, sample n responses from the policy with vLLM, score each one, and keep (`--mode`):
+  best_of_n  the best response of each prompt, as SFT data {"prompt", "response", "reward"} for sft.py: rejection
+             sampling fine-tuning (Touvron et al. 2023, "Llama 2", sec. 3.2.3; Dong et al. 2023, "RAFT");
+  csft       every response, with its reward written into its prompt, as SFT data for sft.py: conditional SFT
+             (Hu et al. 2023, "Aligning Language Models with Offline Learning from Human Feedback");
+  dpo_pairs  the best response as chosen and the worst as rejected, as pairs {"prompt", "chosen", "rejected",
+             "chosen_reward", "rejected_reward"} for dpo.py: iterative DPO (Xiong et al. 2024, "Iterative
+             Preference Learning from Human Feedback").
+With `--iterations K`, each of K rounds samples, scores, selects and trains (sft.py, or dpo.py for pairs) as a user
+would run them, and the next round samples from the model just trained.
+
+    python rejection_sampling.py --pretrain out/sft --dataset prompts.jsonl --apply_chat_template \
+        --reward_pretrain out/rm --n_samples_per_prompt 8 --output_dir out/rs
+    python rejection_sampling.py ... --reward_fn common/synthetic_task.py:reward_fn --iterations 3 \
+        --train_args "--max_steps 200 --learning_rate 1e-5"
+
+Asking a conditional-SFT model for a good answer: the prompt of every training sample is --csft_template filled with
+the prompt and the sample's reward, "{prompt} <rm_score>: {reward}" by default (a chat prompt gets it in its last
+user message). At inference, fill in a high reward: the highest one in the data, which the script prints and logs as
+csft/high_reward ("What is 3+4? <rm_score>: 1.0" for the 0/1 rule reward of the synthetic task). Rewards from a
+reward model are normalised with the reward_mean / reward_std that rm.py stores, so there 2.0 means two standard
+deviations above the mean.
+
+Implementation details, where they happen below:
+  - prompts are rendered as the trainers render them (common/data.py), so the data trains on what was sampled;
+    a prompt that leaves less than --generate_max_len tokens of the engines' context is refused before sampling;
+  - prompts are sent to the engines in chunks of --generate_batch_size, round-robin, which spreads the work over
+    several engines and gives a progress bar; engine i of iteration k is seeded with seed + k x engines + i;
+  - the engines are shut down before scoring and training, so those get the whole machine (and GPUs);
+  - reward sources (common/rewards.py) are reward models, which see prompt + response + EOS exactly as rm.py
+    trained them and are normalised by their stored mean/std, a rule-based `--reward_fn`, and a remote reward model
+    (`--remote_rm_url`); with several, the reward is their weighted sum (--reward_weights);
+  - ties go to the first sample with the top (or bottom) reward; a pair whose best and worst rewards are equal
+    carries no preference and is skipped; `--min_reward` drops prompts whose best sample's reward (the weighted
+    sum) is lower (RAFT's filter: with a 0/1 rule reward alone, 1.0 keeps only solved prompts);
+  - with csft, rounds after the first sample with the prompt asking for the last round's highest reward;
+  - every stage writes its file atomically (temp file + rename) and state.json records the finished iterations:
+    rerunning the same command after a kill resumes in the iteration it was in, reusing the samples already
+    generated and scored; sft.py / dpo.py resume their own training when --train_args has --save_steps.
+
+Output, under --output_dir (with --iterations 0, the iteration files sit in --output_dir itself):
+    state.json                   the run's settings and how many iterations are finished
+    metrics.jsonl, tensorboard/  per iteration: rewards, samples per second, share of time in each stage
+    iter_K/generations.jsonl     {"prompt", "label", "responses"}
+    iter_K/scored.jsonl          {"prompt", "label", "responses", "rewards"}
+    iter_K/<mode>.jsonl          the data: best_of_n.jsonl, csft.jsonl or dpo_pairs.jsonl
+    iter_K/model/                the model trained on it
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import ray
+import torch
+
+from common import data, rewards
+from common.args import UserError, parse_args, run_main
+from common.deepspeed_utils import load_tokenizer
+from common.logging_utils import MetricsLogger, progress
+from common.vllm_engine import create_vllm_engines
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Args:
+    # --- model and data
+    pretrain: str = ""
+    """the policy to sample from, usually an SFT model: a Hugging Face model folder or hub name"""
+    dataset: str = ""
+    """prompts: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    input_key: str = "prompt"
+    """key of the prompt (text, or a list of chat messages)"""
+    label_key: str = "label"
+    """key of a reference answer handed to --reward_fn and --remote_rm_url (None for rows without it)"""
+    apply_chat_template: bool = False
+    """render prompts with the tokenizer's chat template"""
+    input_template: str | None = None
+    """a template such as 'Question: {} Answer: ' the prompt is formatted into (without a chat template)"""
+    max_samples: int = 0
+    """use only the first this many prompts (0: all)"""
+    output_dir: str = "out/rejection_sampling"
+    """where the data, the models of --iterations, the metrics and state.json go"""
+    seed: int = 42
+    """random seed of the samplers"""
+    use_wandb: bool = False
+    """also log to Weights & Biases (offline without WANDB_API_KEY)"""
+    wandb_project: str = "rlhf-rejection-sampling"
+    """wandb project name"""
+    # --- generation
+    vllm_num_engines: int = 1
+    """vLLM engines the prompts are spread over, each a Ray actor"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs per vLLM engine"""
+    vllm_gpu_memory_utilization: float = 0.85
+    """share of each GPU's memory a vLLM engine may take"""
+    enforce_eager: bool = False
+    """run vLLM without CUDA graphs (starts faster)"""
+    max_model_len: int = 2048
+    """context of the vLLM engines: every prompt plus --generate_max_len tokens must fit in it"""
+    n_samples_per_prompt: int = 8
+    """responses sampled per prompt (the n of best-of-n)"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    top_p: float = 1.0
+    """nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p"""
+    generate_max_len: int = 1024
+    """most tokens per response"""
+    generate_batch_size: int = 256
+    """prompts per request to an engine; requests go round-robin to the engines"""
+    # --- rewards
+    reward_pretrain: list[str] = field(default_factory=list)
+    """reward models saved by rm.py, one or more; each must use the policy's tokenizer"""
+    reward_fn: str | None = None
+    """a rule-based reward, path/to/file.py:function, called as function(prompts, responses, labels) -> floats"""
+    remote_rm_url: str | None = None
+    """a reward model served over HTTP: POST {"prompts", "responses", "labels"}, answer {"rewards"}"""
+    reward_weights: list[float] = field(default_factory=list)
+    """one weight per reward source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url (default: 1s)"""
+    reward_batch_size: int = 64
+    """responses scored per batch"""
+    # --- selection
+    mode: Literal["best_of_n", "csft", "dpo_pairs"] = "best_of_n"
+    """the data to write: best response per prompt (SFT), every response with its reward in the prompt
+    (conditional SFT), or best/worst pairs (DPO)"""
+    min_reward: float | None = None
+    """best_of_n and dpo_pairs: drop prompts whose best response scores below this"""
+    csft_template: str = "{prompt} <rm_score>: {reward}"
+    """csft: how a prompt and a reward are written into the training prompt"""
+    csft_decimals: int = 1
+    """csft: decimals the reward is written with"""
+    # --- iterations
+    iterations: int = 0
+    """rounds of sample, score, select and train, each sampling from the last round's model (0: write data only)"""
+    train_args: str = ""
+    """extra flags for sft.py / dpo.py, e.g. "--max_steps 200 --learning_rate 1e-5" """
+    train_num_gpus: int = 1
+    """ranks sft.py / dpo.py train with (launched with `deepspeed --num_gpus N` when more than 1)"""
+
+
+# Settings a resumed run may change: they decide neither which samples are drawn nor how they are selected. More
+# --iterations continue a finished run with more rounds.
+RESUMABLE_CHANGES = ("iterations", "train_num_gpus", "generate_batch_size", "reward_batch_size", "use_wandb",
+                     "vllm_gpu_memory_utilization", "enforce_eager")
+
+
+# ------------------------------------------------------------------------------------------------- ALGO LOGIC
+def best_and_worst(scores: list[float]) -> tuple[int, int]:
+    """Indices of a highest- and of a lowest-reward sample; on ties, the first one of each."""
+    indices = range(len(scores))
+    return max(indices, key=scores.__getitem__), min(indices, key=scores.__getitem__)
+
+
+def conditioned_prompt(prompt, reward: float, template: str, decimals: int):
+    """The prompt with `reward` written into it (a chat: into its last user message), as conditional SFT trains on."""
+    value = round(reward, decimals) + 0.0  # + 0.0 turns -0.0 into 0.0, so the model sees one spelling of zero
+    fill = lambda text: template.format(prompt=text, reward=f"{value:.{decimals}f}")
+    if isinstance(prompt, str):
+        return fill(prompt)
+    messages = [dict(m) for m in data.as_messages(prompt)]
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise data.DataError(f"a chat prompt has no user message to write the reward into: {str(prompt)[:80]!r}.")
+    messages[users[-1]]["content"] = fill(messages[users[-1]]["content"])
+    return messages
+
+
+def select(mode: str, prompts: list, responses: list[list[str]], scores: list[list[float]],
+           min_reward: float | None = None, csft_template: str = "", csft_decimals: int = 1) -> tuple[list[dict], int]:
+    """The records `mode` writes for these scored samples, and the number of prompts that gave none."""
+    records, skipped = [], 0
+    for prompt, texts, prompt_scores in zip(prompts, responses, scores):
+        best, worst = best_and_worst(prompt_scores)
+        if mode == "csft":  # every sample teaches what a response of its reward looks like
+            records += [{"prompt": conditioned_prompt(prompt, s, csft_template, csft_decimals), "response": t,
+                         "reward": s} for t, s in zip(texts, prompt_scores)]
+        elif min_reward is not None and prompt_scores[best] < min_reward:
+            skipped += 1
+        elif mode == "best_of_n":
+            records.append({"prompt": prompt, "response": texts[best], "reward": prompt_scores[best]})
+        elif prompt_scores[best] == prompt_scores[worst] or texts[best] == texts[worst]:
+            skipped += 1  # dpo_pairs: all samples equally good, no preference to learn
+        else:
+            records.append({"prompt": prompt, "chosen": texts[best], "rejected": texts[worst],
+                            "chosen_reward": prompt_scores[best], "rejected_reward": prompt_scores[worst]})
+    return records, skipped
+# --------------------------------------------------------------------------------------------- END ALGO LOGIC
+
+
+def check_args(args: Args) -> None:
+    """Mistakes in the flags alone, caught before anything loads."""
+    num_sources = len(args.reward_pretrain) + bool(args.reward_fn) + bool(args.remote_rm_url)
+    if num_sources == 0:
+        raise UserError("no reward source: give --reward_pretrain, --reward_fn or --remote_rm_url (or several).")
+    if args.reward_weights and len(args.reward_weights) != num_sources:
+        raise UserError(f"--reward_weights has {len(args.reward_weights)} weights for {num_sources} reward sources; "
+                        f"give one per source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url.")
+    if args.mode == "dpo_pairs" and args.n_samples_per_prompt < 2:
+        raise UserError(f"--mode dpo_pairs needs --n_samples_per_prompt of at least 2 to pair a best and a worst "
+                        f"response, got {args.n_samples_per_prompt}.")
+    if args.n_samples_per_prompt < 1 or args.generate_max_len < 1 or args.vllm_num_engines < 1:
+        raise UserError("--n_samples_per_prompt, --generate_max_len and --vllm_num_engines must be at least 1.")
+    if args.mode == "csft" and args.min_reward is not None:
+        raise UserError("--min_reward drops prompts in best_of_n and dpo_pairs; conditional SFT keeps every sample, "
+                        "so leave it unset with --mode csft.")
+    if "{prompt}" not in args.csft_template or "{reward}" not in args.csft_template:
+        raise UserError(f"--csft_template must contain {{prompt}} and {{reward}}, got {args.csft_template!r}.")
+    if args.iterations < 0 or args.train_num_gpus < 1:
+        raise UserError("--iterations must be 0 or more and --train_num_gpus at least 1.")
+
+
+def tokenize_prompts(tokenizer, prompts: list, args: Args, source: str) -> list[list[int]]:
+    """Token ids of every rendered prompt; a UserError when one leaves no room for a response in the context."""
+    texts = [data.render_prompt(tokenizer, p, args.apply_chat_template, args.input_template) for p in prompts]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    too_long = [i for i, prompt_ids in enumerate(ids) if len(prompt_ids) + args.generate_max_len > args.max_model_len]
+    if too_long:
+        i = too_long[0]
+        raise UserError(f"{len(too_long)} prompts of {source} do not fit the engine's context: prompt {i} has "
+                        f"{len(ids[i])} tokens, and with --generate_max_len {args.generate_max_len} that exceeds "
+                        f"--max_model_len {args.max_model_len}; raise --max_model_len or shorten those prompts.")
+    return ids
+
+
+def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, desc: str):
+    """n sampled responses (token ids) per prompt from fresh vLLM engines, which are shut down afterwards.
+
+    Returns (responses, seconds spent sampling once the engines were up).
+    """
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        engines = create_vllm_engines(args.vllm_num_engines, args.vllm_tensor_parallel_size, policy, seed,
+                                      args.max_model_len, args.vllm_gpu_memory_utilization, args.enforce_eager)
+        start = time.time()
+        chunks = [prompt_ids[i: i + args.generate_batch_size] for i in range(0, len(prompt_ids),
+                                                                              args.generate_batch_size)]
+        pending = {engines[c % len(engines)].generate.remote(chunk, n=args.n_samples_per_prompt,
+                                                             temperature=args.temperature, top_p=args.top_p,
+                                                             max_tokens=args.generate_max_len, logprobs=False): c
+                   for c, chunk in enumerate(chunks)}
+        results = [None] * len(chunks)
+        bar = progress(len(prompt_ids) * args.n_samples_per_prompt, 0, desc)
+        while pending:
+            [done], _ = ray.wait(list(pending))
+            c = pending.pop(done)
+            results[c] = ray.get(done)
+            bar.update(len(results[c]) * args.n_samples_per_prompt)
+        bar.close()
+        sampling_seconds = time.time() - start
+    finally:
+        ray.shutdown()
+    return [[sample["token_ids"] for sample in samples] for chunk in results for samples in chunk], sampling_seconds
+
+
+def score(args: Args, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str):
+    """The reward of every response, (prompts, n), from the weighted sum of all reward sources, scored in batches."""
+    n = args.n_samples_per_prompt
+    flat_prompts = [p for p in prompts for _ in range(n)]
+    flat_labels = [label for label in labels for _ in range(n)]
+    flat_responses = [r for texts in responses for r in texts]
+    models = [rewards.load_reward_model(path) for path in args.reward_pretrain]
+    weights = args.reward_weights or [1.0] * (len(models) + bool(reward_fn) + bool(args.remote_rm_url))
+    total = []
+    bar = progress(len(flat_responses), 0, desc)
+    for start in range(0, len(flat_responses), args.reward_batch_size):
+        batch = slice(start, start + args.reward_batch_size)
+        p, r, labels_ = flat_prompts[batch], flat_responses[batch], flat_labels[batch]
+        # A prompt + response fills at most the engine's context; its EOS may add one token.
+        sources = [rewards.reward_model_scores(model, tokenizer, p, r, args.apply_chat_template, args.input_template,
+                                               args.reward_batch_size, args.max_model_len + 1)
+                   for model, tokenizer in models]
+        if reward_fn:
+            sources.append(rewards.call_reward_fn(reward_fn, p, r, labels_))
+        if args.remote_rm_url:
+            sources.append(rewards.remote_reward(args.remote_rm_url, p, r, labels_))
+        total += rewards.combine_rewards(sources, weights)
+        bar.update(len(r))
+    bar.close()
+    del models
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the trainer, started next, needs the memory
+    return [total[i * n: (i + 1) * n] for i in range(len(prompts))]
+
+
+def train_command(args: Args, policy: str, dataset: str, out: str) -> list[str]:
+    """The sft.py / dpo.py command line a user would type to train `policy` on `dataset`."""
+    script = os.path.join(ROOT, "dpo.py" if args.mode == "dpo_pairs" else "sft.py")
+    launcher = [sys.executable]
+    if args.train_num_gpus > 1:  # `deepspeed --num_gpus N`, from this Python environment
+        launcher += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(args.train_num_gpus)]
+    flags = ["--pretrain", policy, "--dataset", dataset, "--output_dir", out]
+    flags += ["--apply_chat_template"] if args.apply_chat_template else []
+    flags += ["--input_template", args.input_template] if args.input_template else []
+    return launcher + [script] + flags + shlex.split(args.train_args)
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write a file under a temporary name, then rename it: a run killed meanwhile leaves the old file or none."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def load_state(args: Args) -> dict:
+    """The state of a run in output_dir (started now if there is none); refuses one started with other settings."""
+    path = os.path.join(args.output_dir, "state.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            state = json.load(f)
+        saved = state["args"]
+        changed = [k for k in vars(args) if k not in RESUMABLE_CHANGES and saved.get(k) != getattr(args, k)]
+        if changed:
+            k = changed[0]
+            raise UserError(f"{args.output_dir} holds a run started with --{k} {saved.get(k)!r}, not "
+                            f"{getattr(args, k)!r}; rerun with its settings to resume it, or use another --output_dir.")
+        if (saved["iterations"] == 0) != (args.iterations == 0):  # data only vs rounds that train: other layouts
+            raise UserError(f"{args.output_dir} holds a run started with --iterations {saved['iterations']}; one with "
+                            f"--iterations {args.iterations} cannot continue it, so use another --output_dir.")
+        return state
+    state = {"args": vars(args), "finished_iterations": 0}
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_state(args, state)
+    return state
+
+
+def save_state(args: Args, state: dict) -> None:
+    write_atomic(os.path.join(args.output_dir, "state.json"), json.dumps(state, indent=1))
+
+
+def iteration_dir(args: Args, k: int) -> str:
+    return os.path.join(args.output_dir, f"iter_{k}") if args.iterations else args.output_dir
+
+
+def main(args: Args):
+    check_args(args)
+    tokenizer = load_tokenizer(args.pretrain)
+    for path in args.reward_pretrain:
+        rewards.check_same_tokenizer(tokenizer, load_tokenizer(path, "--reward_pretrain"),
+                                     f"--pretrain {args.pretrain}", f"--reward_pretrain {path}")
+    reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    rows = data.load_records(args.dataset, args.dataset_split)[: args.max_samples or None]
+    if not rows:
+        raise data.DataError(f"dataset {args.dataset} is empty.")
+    prompts = [data.get_key(row, args.input_key, i, args.dataset) for i, row in enumerate(rows)]
+    labels = [row.get(args.label_key) for row in rows]
+    prompt_ids = tokenize_prompts(tokenizer, prompts, args, args.dataset)
+
+    state = load_state(args)
+    rounds, n = max(args.iterations, 1), args.n_samples_per_prompt
+    if state["finished_iterations"] >= rounds:
+        print(f"{args.output_dir}: all {rounds} iteration(s) are finished already.")
+        return
+    logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
+                           resume_step=state["finished_iterations"])
+    for k in range(state["finished_iterations"], rounds):
+        out = iteration_dir(args, k)
+        os.makedirs(out, exist_ok=True)
+        policy = args.pretrain if k == 0 else os.path.join(iteration_dir(args, k - 1), "model")
+        files = {name: os.path.join(out, f"{name}.jsonl") for name in ("generations", "scored", args.mode)}
+        seconds = dict.fromkeys(("generate", "sampling", "score", "train"), 0.0)  # stages a resumed run skips: 0
+
+        # ---- sample n responses per prompt
+        if os.path.exists(files["generations"]):
+            print(f"iteration {k}: resuming with the samples in {files['generations']}")
+        else:
+            start, sample_ids = time.time(), prompt_ids
+            if args.mode == "csft" and k > 0:  # from the second round on, sample what the model is trained to give
+                previous = data.load_records(os.path.join(iteration_dir(args, k - 1), "csft.jsonl"))
+                high = max(row["reward"] for row in previous)
+                sample_ids = tokenize_prompts(tokenizer, [conditioned_prompt(p, high, args.csft_template,
+                                                                             args.csft_decimals) for p in prompts],
+                                              args, args.dataset)
+            token_ids, seconds["sampling"] = generate(args, policy, sample_ids, args.seed + k * args.vllm_num_engines,
+                                                      f"iteration {k}: generate")
+            responses = [[tokenizer.decode(ids, skip_special_tokens=True) for ids in samples] for samples in token_ids]
+            write_jsonl(files["generations"], [{"prompt": p, "label": label, "responses": texts}
+                                               for p, label, texts in zip(prompts, labels, responses)])
+            seconds["generate"] = time.time() - start
+        responses = [row["responses"] for row in data.load_records(files["generations"])]
+        if len(responses) != len(prompts) or any(len(texts) != n for texts in responses):
+            raise UserError(f"{files['generations']} does not hold {n} responses for each of the {len(prompts)} "
+                            f"prompts; it belongs to another run: use another --output_dir.")
+
+        # ---- score them
+        if os.path.exists(files["scored"]):
+            scores = [row["rewards"] for row in data.load_records(files["scored"])]
+        else:
+            start = time.time()
+            scores = score(args, prompts, labels, responses, reward_fn, f"iteration {k}: score")
+            write_jsonl(files["scored"], [{"prompt": p, "label": label, "responses": texts, "rewards": s}
+                                          for p, label, texts, s in zip(prompts, labels, responses, scores)])
+            seconds["score"] = time.time() - start
+
+        # ---- select the data
+        records, skipped = select(args.mode, prompts, responses, scores, args.min_reward, args.csft_template,
+                                  args.csft_decimals)
+        if not records:
+            raise UserError(f"iteration {k} kept no sample: every prompt's best reward is below --min_reward or "
+                            f"all its samples tie; the scored samples are in {files['scored']}.")
+        write_jsonl(files[args.mode], records)
+        metrics = {"rewards/mean": sum(map(sum, scores)) / (len(scores) * n),
+                   "rewards/best_mean": sum(map(max, scores)) / len(scores),
+                   "rewards/worst_mean": sum(map(min, scores)) / len(scores),
+                   "data/records": len(records), "data/prompts_skipped": skipped}
+        summary = f"wrote {len(records)} records to {files[args.mode]} ({skipped} prompts skipped)"
+        if args.mode == "csft":
+            metrics["csft/high_reward"] = max(round(row["reward"], args.csft_decimals) for row in records)
+            example = conditioned_prompt(prompts[0], metrics["csft/high_reward"], args.csft_template,
+                                         args.csft_decimals)
+            summary += f"; ask a model trained on it for a high-reward answer with prompts like {example!r}"
+
+        # ---- train on them, as a user would
+        if args.iterations:
+            command = train_command(args, policy, files[args.mode], os.path.join(out, "model"))
+            print(f"iteration {k}: training with\n  {shlex.join(command)}", flush=True)
+            start = time.time()
+            result = subprocess.run(command)
+            if result.returncode:
+                raise UserError(f"training failed in iteration {k} (exit code {result.returncode}, its output is "
+                                f"above); fix the cause and rerun the same command to resume there.")
+            seconds["train"] = time.time() - start
+
+        # ---- log throughput and where the time went
+        samples, busy = len(scores) * n, sum(seconds[stage] for stage in ("generate", "score", "train"))
+        for stage in ("generate", "score", "train"):
+            metrics[f"time/{stage}_seconds"] = seconds[stage]
+            metrics[f"time/{stage}_share"] = seconds[stage] / busy if busy else 0.0
+        metrics["time/sampling_seconds"] = seconds["sampling"]  # the rest of generate_seconds starts Ray and vLLM
+        if seconds["generate"] and seconds["score"]:
+            metrics["perf/samples_per_sec"] = samples / (seconds["generate"] + seconds["score"])
+            metrics["perf/generate_samples_per_sec"] = samples / seconds["sampling"]
+            metrics["perf/score_samples_per_sec"] = samples / seconds["score"]
+        logger.log(k + 1, metrics)
+        state["finished_iterations"] = k + 1
+        save_state(args, state)
+        print(f"iteration {k}: mean reward {metrics['rewards/mean']:.4f}, best of {n} "
+              f"{metrics['rewards/best_mean']:.4f}; {summary}; seconds: generate {seconds['generate']:.1f} "
+              f"(sampling {seconds['sampling']:.1f}), score {seconds['score']:.1f}, train {seconds['train']:.1f}",
+              flush=True)
+    logger.close()
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args(Args))

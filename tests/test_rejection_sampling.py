@@ -1,0 +1,245 @@
+"""rejection_sampling.py: selection (a property test over random rewards with ties), bad input, and end-to-end runs
+on the synthetic task with the real stack (Ray, a vLLM engine, sft.py and dpo.py as subprocesses).
+
+The end-to-end runs start from the short SFT model of conftest.py and share one generation: the best-of-n run samples
+1000 training prompts x 8, and the conditional-SFT and DPO runs start from copies of its sample files, which is what a
+resumed run does (they hold the same policy's samples for the same prompts). The DPO run then samples its second
+iteration from its own first model, and is killed and resumed in that iteration.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+import pytest
+
+from common.args import UserError, parse_args
+from common.data import load_records
+from common.rewards import load_reward_model, reward_model_scores
+from common.synthetic_task import reward_fn
+from common.task_eval import greedy_responses, task_accuracy
+from common.tiny_model import build_tokenizer
+from conftest import ROOT, kill_group, run_script
+from rejection_sampling import Args, conditioned_prompt, load_state, main, select, train_command
+from test_rewards import write_reward_model
+
+TEMPLATE = "{prompt} <rm_score>: {reward}"
+REWARD_FN = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
+
+
+def rs_args(model, task, out, *extra):
+    """Sampling settings of every run here: short answers, a small context, 8 samples per prompt."""
+    return ["--pretrain", model, "--dataset", task["prompts_train"], "--apply_chat_template", "--output_dir", out,
+            "--n_samples_per_prompt", "8", "--generate_max_len", "8", "--max_model_len", "128", "--enforce_eager",
+            "--reward_fn", REWARD_FN, *extra]
+
+
+def accuracy(model, prompts, labels) -> float:
+    scores = reward_fn(prompts, greedy_responses(model, prompts), labels)
+    return sum(scores) / len(scores)
+
+
+def metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------------------------------------ selection
+def test_selection_keeps_a_maximum_reward_sample_for_every_prompt():
+    rng = random.Random(0)
+    for _ in range(500):
+        num_prompts, n = rng.randint(1, 6), rng.randint(1, 6)
+        levels = [round(rng.uniform(-3, 3), 2) for _ in range(rng.randint(1, 3))]  # few values: many ties
+        scores = [[rng.choice(levels) for _ in range(n)] for _ in range(num_prompts)]
+        prompts = [f"prompt {i}" for i in range(num_prompts)]
+        responses = [[f"response {i}.{j}" for j in range(n)] for i in range(num_prompts)]
+
+        best, skipped = select("best_of_n", prompts, responses, scores)
+        assert skipped == 0 and [r["prompt"] for r in best] == prompts
+        for record, texts, s in zip(best, responses, scores):
+            assert record["reward"] == max(s) == s[texts.index(record["response"])]
+
+        threshold = rng.choice(levels)
+        kept, skipped = select("best_of_n", prompts, responses, scores, min_reward=threshold)
+        assert [r["prompt"] for r in kept] == [p for p, s in zip(prompts, scores) if max(s) >= threshold]
+        assert skipped == num_prompts - len(kept)
+
+        pairs, skipped = select("dpo_pairs", prompts, responses, scores)
+        assert [r["prompt"] for r in pairs] == [p for p, s in zip(prompts, scores) if max(s) > min(s)]
+        assert skipped == num_prompts - len(pairs)
+        for record in pairs:
+            i = prompts.index(record["prompt"])
+            assert record["chosen_reward"] == max(scores[i]) == scores[i][responses[i].index(record["chosen"])]
+            assert record["rejected_reward"] == min(scores[i]) == scores[i][responses[i].index(record["rejected"])]
+
+        csft, skipped = select("csft", prompts, responses, scores, csft_template=TEMPLATE, csft_decimals=2)
+        assert skipped == 0 and len(csft) == num_prompts * n
+        for record, (i, j) in zip(csft, [(i, j) for i in range(num_prompts) for j in range(n)]):
+            assert record == {"prompt": f"prompt {i} <rm_score>: {scores[i][j]:.2f}", "response": responses[i][j],
+                              "reward": scores[i][j]}
+
+
+def test_pairs_need_two_different_texts_and_ties_go_to_the_first():
+    pairs, skipped = select("dpo_pairs", ["p"], [["same", "same"]], [[1.0, 0.0]])
+    assert pairs == [] and skipped == 1
+    best, _ = select("best_of_n", ["p"], [["a", "b", "c"]], [[0.0, 1.0, 1.0]])
+    assert best[0]["response"] == "b"
+
+
+def test_the_reward_is_written_into_the_prompt_once_spelled():
+    assert conditioned_prompt("What is 2+3?", -0.04, TEMPLATE, 1) == "What is 2+3? <rm_score>: 0.0"
+    assert conditioned_prompt("Q", 1.23456, TEMPLATE, 2) == "Q <rm_score>: 1.23"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "What is 2+3?"}]
+    conditioned = conditioned_prompt(chat, 2.0, TEMPLATE, 1)
+    assert conditioned[:3] == chat[:3] and conditioned[3]["content"] == "What is 2+3? <rm_score>: 2.0"
+    assert chat[3]["content"] == "What is 2+3?"  # the caller's prompt is left as it was
+
+
+def test_training_runs_as_a_user_would_type_it():
+    args = Args(pretrain="p", mode="dpo_pairs", apply_chat_template=True, train_args="--max_steps 5 --beta 0.2",
+                train_num_gpus=2)
+    command = train_command(args, "out/iter_0/model", "out/iter_1/dpo_pairs.jsonl", "out/iter_1/model")
+    assert command == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                       os.path.join(ROOT, "dpo.py"), "--pretrain", "out/iter_0/model", "--dataset",
+                       "out/iter_1/dpo_pairs.jsonl", "--output_dir", "out/iter_1/model", "--apply_chat_template",
+                       "--max_steps", "5", "--beta", "0.2"]
+    args = Args(pretrain="p", input_template="Q: {} A: ")
+    assert train_command(args, "p", "d.jsonl", "m") == [sys.executable, os.path.join(ROOT, "sft.py"), "--pretrain",
+                                                        "p", "--dataset", "d.jsonl", "--output_dir", "m",
+                                                        "--input_template", "Q: {} A: "]
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+def test_bad_input_is_one_clear_sentence_before_anything_is_written(tiny_model, task, tmp_path):
+    other_tokenizer_rm = write_reward_model(tiny_model, str(tmp_path / "other_rm"), tokenizer=build_tokenizer(300))
+    out = str(tmp_path / "out")
+    cases = {
+        "--mode dpo_pairs needs --n_samples_per_prompt of at least 2":
+            ["--mode", "dpo_pairs", "--n_samples_per_prompt", "1"],
+        f"--reward_pretrain {other_tokenizer_rm} has a different tokenizer from the policy --pretrain {tiny_model}":
+            ["--reward_pretrain", other_tokenizer_rm],
+        "do not fit the engine's context: prompt 0 has": ["--max_model_len", "16"],
+        "no function 'score'": ["--reward_fn", REWARD_FN.replace("reward_fn", "score")],
+        "--reward_weights has 1 weights for 2 reward sources": ["--remote_rm_url", "http://127.0.0.1:1/r",
+                                                               "--reward_weights", "1.0"],
+        "--min_reward drops prompts in best_of_n and dpo_pairs": ["--mode", "csft", "--min_reward", "1.0"],
+    }
+    for message, override in cases.items():
+        args = parse_args(Args, rs_args(tiny_model, task, out, "--max_samples", "20") + override)
+        with pytest.raises(UserError) as error:
+            main(args)
+        assert message in str(error.value) and str(error.value).count(". ") == 0, str(error.value)
+        assert not os.path.exists(out)
+    # the same from the command line: exit code 2 and one line
+    result = run_script("rejection_sampling.py", rs_args(tiny_model, task, out, "--max_model_len", "16"), check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "raise --max_model_len" in errors[0], result.stderr[-2000:]
+    assert not os.path.exists(out)
+
+
+def test_a_run_resumes_only_with_the_settings_it_started_with(tmp_path):
+    args = Args(pretrain="p", dataset="d.jsonl", output_dir=str(tmp_path / "run"), iterations=2)
+    assert load_state(args)["finished_iterations"] == 0
+    more_rounds = Args(pretrain="p", dataset="d.jsonl", output_dir=args.output_dir, iterations=3, train_num_gpus=2)
+    assert load_state(more_rounds)["finished_iterations"] == 0
+    with pytest.raises(UserError, match="started with --n_samples_per_prompt 8, not 4; rerun with its settings"):
+        load_state(Args(pretrain="p", dataset="d.jsonl", output_dir=args.output_dir, iterations=2,
+                        n_samples_per_prompt=4))
+    with pytest.raises(UserError, match="started with --iterations 2; one with --iterations 0 cannot continue it"):
+        load_state(Args(pretrain="p", dataset="d.jsonl", output_dir=args.output_dir, iterations=0))
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def best_of_n_run(sft_model, task, tmp_path_factory):
+    """One iteration of best-of-8 (solved prompts only) + SFT from the SFT model, on 1000 training prompts."""
+    out = str(tmp_path_factory.mktemp("best_of_n"))
+    result = run_script("rejection_sampling.py", rs_args(
+        sft_model, task, out, "--max_samples", "1000", "--min_reward", "1.0", "--iterations", "1", "--train_args",
+        "--max_steps 60 --micro_train_batch_size 16 --learning_rate 2e-4 --max_len 64 --logging_steps 20"))
+    return out, result.stdout
+
+
+def test_one_iteration_of_best_of_n_and_sft_beats_the_starting_model(best_of_n_run, sft_model, task):
+    out, stdout = best_of_n_run
+    records = load_records(os.path.join(out, "iter_0", "best_of_n.jsonl"))  # sft.py trained on it as it stands
+    assert 800 < len(records) < 1000 and all(r["reward"] == 1.0 and set(r) == {"prompt", "response", "reward"}
+                                             for r in records)
+    log = metrics(out)
+    assert len(log) == 1 and log[0]["rewards/best_mean"] > log[0]["rewards/mean"]
+    assert log[0]["perf/generate_samples_per_sec"] > 0 and log[0]["time/train_share"] > 0
+    assert json.load(open(os.path.join(out, "state.json")))["finished_iterations"] == 1
+    before, after = (task_accuracy(m, task["prompts_eval"]) for m in (sft_model, os.path.join(out, "iter_0", "model")))
+    print(f"greedy accuracy on held-out prompts: SFT model {before:.3f}, after best-of-8 + SFT {after:.3f}")
+    assert after >= before + 0.04, (before, after)
+
+
+def test_conditional_sft_answers_better_when_asked_for_a_high_reward(best_of_n_run, sft_model, task, tmp_path):
+    samples, out = os.path.join(best_of_n_run[0], "iter_0"), str(tmp_path / "csft")
+    os.makedirs(os.path.join(out, "iter_0"))
+    for name in ("generations.jsonl", "scored.jsonl"):
+        shutil.copy(os.path.join(samples, name), os.path.join(out, "iter_0", name))
+    result = run_script("rejection_sampling.py", rs_args(
+        sft_model, task, out, "--max_samples", "1000", "--mode", "csft", "--iterations", "1", "--train_args",
+        "--max_steps 300 --micro_train_batch_size 16 --learning_rate 1e-3 --max_len 64 --logging_steps 50"))
+    assert "iteration 0: resuming with the samples" in result.stdout
+    assert "for a high-reward answer with prompts like 'Add 24 and 48. <rm_score>: 1.0'" in result.stdout
+    records = load_records(os.path.join(out, "iter_0", "csft.jsonl"))  # sft.py trained on it as it stands
+    assert len(records) == 8000
+    assert all(r["prompt"].endswith(f"<rm_score>: {r['reward']:.1f}") for r in records)
+    assert metrics(out)[0]["csft/high_reward"] == 1.0
+
+    rows = load_records(task["prompts_eval"])
+    prompts, labels = [r["prompt"] for r in rows], [r["label"] for r in rows]
+    trained = os.path.join(out, "iter_0", "model")
+    high = accuracy(trained, [conditioned_prompt(p, 1.0, TEMPLATE, 1) for p in prompts], labels)
+    low = accuracy(trained, [conditioned_prompt(p, 0.0, TEMPLATE, 1) for p in prompts], labels)
+    plain = accuracy(trained, prompts, labels)
+    print(f"conditional SFT greedy accuracy: high-reward prompt {high:.3f}, low-reward {low:.3f}, plain {plain:.3f}")
+    # Without a reward in it, a prompt is unlike any the model was trained on; with a low one it asks for a mistake.
+    assert high > plain + 0.2 and high > low + 0.05, (high, low, plain)
+
+
+def test_iterative_dpo_with_a_reward_model_resumes_in_the_iteration_it_was_killed_in(best_of_n_run, sft_model,
+                                                                                      task, tmp_path):
+    rm = write_reward_model(sft_model, str(tmp_path / "rm"), reward_mean=0.1, reward_std=0.5)  # untrained
+    out = str(tmp_path / "dpo")
+    os.makedirs(os.path.join(out, "iter_0"))
+    with open(os.path.join(best_of_n_run[0], "iter_0", "generations.jsonl")) as f:
+        first_200 = f.readlines()[:200]
+    with open(os.path.join(out, "iter_0", "generations.jsonl"), "w") as f:
+        f.writelines(first_200)
+    args = rs_args(sft_model, task, out, "--max_samples", "200", "--mode", "dpo_pairs", "--iterations", "2",
+                   "--reward_pretrain", rm, "--reward_weights", "0.1", "1.0", "--reward_batch_size", "256",
+                   "--train_args", "--max_steps 2 --train_batch_size 8 --micro_train_batch_size 4 --max_len 64")
+    proc = run_script("rejection_sampling.py", args, background=True)
+    generated = os.path.join(out, "iter_1", "generations.jsonl")
+    deadline = time.time() + 400
+    while not os.path.exists(generated) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read()[-3000:]
+    kill_group(proc)
+    state = json.load(open(os.path.join(out, "state.json")))
+    assert state["finished_iterations"] == 1 and os.path.exists(os.path.join(out, "iter_0", "model", "config.json"))
+
+    result = run_script("rejection_sampling.py", args)
+    assert "iteration 1: resuming with the samples" in result.stdout and "iteration 0" not in result.stdout
+    assert f"dpo.py --pretrain {out}/iter_0/model --dataset {out}/iter_1/dpo_pairs.jsonl" in result.stdout
+    assert json.load(open(os.path.join(out, "state.json")))["finished_iterations"] == 2
+    for k in (0, 1):
+        pairs = load_records(os.path.join(out, f"iter_{k}", "dpo_pairs.jsonl"))  # dpo.py trained on them as they stand
+        assert pairs and all(p["chosen_reward"] > p["rejected_reward"] and p["chosen"] != p["rejected"] for p in pairs)
+        assert os.path.exists(os.path.join(out, f"iter_{k}", "model", "config.json"))
+    # each reward is 0.1 x the reward model's normalised score + the rule reward
+    scored = load_records(os.path.join(out, "iter_0", "scored.jsonl"))[:5]
+    reward_model, tokenizer = load_reward_model(rm)
+    for row in scored:
+        learned = reward_model_scores(reward_model, tokenizer, [row["prompt"]] * 8, row["responses"], True)
+        rule = reward_fn([row["prompt"]] * 8, row["responses"], [row["label"]] * 8)
+        assert row["rewards"] == pytest.approx([0.1 * s + r for s, r in zip(learned, rule)], abs=1e-4)
+    log = metrics(out)
+    assert [m["step"] for m in log] == [1, 2] and log[1]["time/generate_seconds"] == 0  # no second sampling
