@@ -1,0 +1,291 @@
+"""Direct preference optimization (DPO) and its IPO and conservative (cDPO) variants, with DeepSpeed ZeRO.
+
+DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward Model") fits a
+policy to preference pairs with no reward model and no sampling: the reward is implicit,
+r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)), and the loss is the Bradley-Terry loss -log sigmoid(r(x, y_w) - r(x, y_l)).
+
+    deepspeed --num_gpus 2 dpo.py --pretrain SFT_MODEL --dataset pairs.jsonl --apply_chat_template --beta 0.1
+    python dpo.py ...                                   # one process, same flags
+
+Implementation details, where they happen below:
+  - the reference model is the starting policy, frozen and partitioned with ZeRO-3 like the policy (`--ref_offload`
+    keeps its parameters in CPU memory); its tokenizer must be the policy's;
+  - a response's log-prob is summed over its tokens only; prompt and padding are masked out (common/data.py);
+  - chosen and rejected responses go through each model in one forward pass, as one (2 x pairs, seq) batch;
+  - `--ipo` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences")
+    regresses the log-ratio margin onto 1 / (2 beta) instead of pushing it to infinity, so it does not overfit
+    preferences that are always the same way round;
+  - `--label_smoothing eps` is conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences"): each label
+    is assumed wrong with probability eps;
+  - `--nll_loss_coef` adds the token-mean NLL of the chosen responses (Pang et al. 2024, "Iterative Reasoning
+    Preference Optimization"), which keeps their likelihood from falling along with the rejected ones';
+  - a pair whose chosen and rejected texts are identical carries no preference: it is skipped, with a warning;
+  - metrics are TRL's: rewards/{chosen,rejected,accuracies,margins}, logps/{chosen,rejected};
+    perf/ref_forward_share is the fraction of a step spent in the reference model's forward pass.
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+
+from common import checkpoint, data
+from common.args import UserError, parse_args, run_main
+from common.deepspeed_utils import (check_model_path, device, ds_config, init_distributed, init_eval_engine,
+                                    init_train_engine, load_model, load_tokenizer)
+from common.logging_utils import MetricsLogger, print_rank0, progress
+from common.modeling import next_token_logprobs
+
+
+@dataclass
+class Args:
+    # --- model and data
+    pretrain: str = ""
+    """the model to start from, usually an SFT model: a Hugging Face model folder or hub name"""
+    dataset: str = ""
+    """training pairs: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    eval_dataset: str | None = None
+    """held-out pairs in the same format, for the eval loss and reward accuracy"""
+    input_key: str = "prompt"
+    """key of the prompt (text, or a list of chat messages)"""
+    chosen_key: str = "chosen"
+    """key of the preferred response"""
+    rejected_key: str = "rejected"
+    """key of the dispreferred response"""
+    apply_chat_template: bool = False
+    """render prompts with the tokenizer's chat template"""
+    input_template: str | None = None
+    """a template such as 'Question: {} Answer: ' the prompt is formatted into (without a chat template)"""
+    max_len: int = 512
+    """each prompt + response is truncated to this many tokens"""
+    output_dir: str = "out/dpo"
+    """where the final Hugging Face model, metrics and checkpoints go"""
+    # --- training
+    seed: int = 42
+    """random seed"""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage: 0 (data parallel), 1, 2 or 3 (parameters partitioned)"""
+    offload_optimizer: bool = False
+    """keep the optimizer state in CPU memory (DeepSpeed CPU Adam)"""
+    offload_params: bool = False
+    """keep ZeRO-3 parameters in CPU memory"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    train_batch_size: int = 32
+    """pairs per optimizer step, across all ranks"""
+    micro_train_batch_size: int = 8
+    """pairs per forward pass on one rank; the rest is gradient accumulation"""
+    max_epochs: int = 1
+    """passes over the training data"""
+    max_steps: int = 0
+    """stop after this many optimizer steps (0: run --max_epochs)"""
+    learning_rate: float = 5e-7
+    """peak learning rate"""
+    min_lr_ratio: float = 0.1
+    """the cosine schedule ends at this fraction of the peak learning rate"""
+    warmup_ratio: float = 0.03
+    """fraction of the steps spent warming the learning rate up linearly"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (never applied to biases and norms)"""
+    grad_clip: float = 1.0
+    """clip the gradient norm to this value"""
+    # --- logging and checkpoints
+    logging_steps: int = 1
+    """log training metrics every this many steps"""
+    eval_steps: int = 0
+    """evaluate every this many steps (0: only at the end)"""
+    save_steps: int = 0
+    """save a resumable checkpoint every this many steps (0: never)"""
+    ckpt_dir: str | None = None
+    """where resumable checkpoints go (default: <output_dir>/checkpoints); a run resumes from the latest one"""
+    keep_last_checkpoints: int = 2
+    """how many resumable checkpoints to keep"""
+    use_wandb: bool = False
+    """also log to Weights & Biases (offline without WANDB_API_KEY)"""
+    wandb_project: str = "rlhf-dpo"
+    """wandb project name"""
+    # --- DPO
+    ref_pretrain: str | None = None
+    """the frozen reference model (default: --pretrain); it must use the policy's tokenizer"""
+    ref_offload: bool = False
+    """keep the reference model's ZeRO-3 parameters in CPU memory"""
+    beta: float = 0.1
+    """scale of the implicit reward beta * log(pi / pi_ref): the strength of the pull towards the reference"""
+    label_smoothing: float = 0.0
+    """conservative DPO: the assumed probability that a pair's preference is the wrong way round (0: plain DPO)"""
+    ipo: bool = False
+    """use the IPO loss instead of DPO's"""
+    nll_loss_coef: float = 0.0
+    """weight of an NLL loss on the chosen responses (0: none)"""
+
+
+# ------------------------------------------------------------------------------------------------- ALGO LOGIC
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float, label_smoothing: float = 0.0, ipo: bool = False):
+    """DPO (or cDPO, or IPO) loss of each pair, and the implicit rewards of its chosen and rejected responses.
+
+    Every argument is (pairs,): response log-probs summed over tokens. Returns (losses, chosen_rewards,
+    rejected_rewards), each (pairs,); the rewards beta * log(pi / pi_ref) carry no gradient.
+    """
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    margins = chosen_logratios - rejected_logratios  # h in the IPO paper
+    if ipo:
+        losses = (margins - 1 / (2 * beta)) ** 2
+    else:  # cDPO: the expected DPO loss when each label is flipped with probability label_smoothing
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * margins) - label_smoothing * F.logsigmoid(-beta * margins)
+    return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the chosen and of the rejected responses, summed over response tokens: (pairs,) each."""
+    logprobs = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"])  # (2 * pairs, seq - 1)
+    logps = (logprobs * batch["loss_mask"][:, 1:]).sum(-1)  # (2 * pairs,)
+    return logps.chunk(2)
+# --------------------------------------------------------------------------------------------- END ALGO LOGIC
+
+
+def collate(samples, tokenizer, dev) -> dict:
+    """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch: one forward pass scores both."""
+    batch = data.pad_collate([s["chosen"] for s in samples] + [s["rejected"] for s in samples], tokenizer.pad_token_id)
+    return {k: v.to(dev) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> dict:
+    """Mean loss, reward accuracy and reward margin over the eval pairs, each rank taking every world_size-th pair."""
+    engine.eval()
+    names = ("loss", "correct", "margins", "pairs")  # sums over pairs
+    stats = torch.zeros(len(names), device=device())
+    mine = samples[rank::world_size]
+    for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
+        chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
+        weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
+        batch = collate(chunk, tokenizer, device())
+        losses, chosen_rewards, rejected_rewards = dpo_loss(*forward_logps(engine, batch),
+                                                            *forward_logps(ref_engine, batch), args.beta,
+                                                            args.label_smoothing, args.ipo)
+        stats += weight * torch.tensor([losses.sum().item(), (chosen_rewards > rejected_rewards).sum().item(),
+                                        (chosen_rewards - rejected_rewards).sum().item(), len(chunk)], device=device())
+    dist.all_reduce(stats)
+    engine.train()
+    total = dict(zip(names, stats.tolist()))
+    return {"eval/loss": total["loss"] / total["pairs"], "eval/rewards/accuracies": total["correct"] / total["pairs"],
+            "eval/rewards/margins": total["margins"] / total["pairs"]}
+
+
+def main(args: Args):
+    check_model_path(args.pretrain)
+    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
+        raise UserError(f"--beta must be positive and --label_smoothing in [0, 0.5), got {args.beta} and "
+                        f"{args.label_smoothing}.")
+    if args.ipo and args.label_smoothing:
+        raise UserError("--label_smoothing is conservative DPO's; leave it at 0 with --ipo.")
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.pretrain)
+    ref_pretrain = args.ref_pretrain or args.pretrain
+    if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"--ref_pretrain {ref_pretrain} has a different tokenizer from --pretrain {args.pretrain}; "
+                        f"the reference model must share the policy's vocabulary (leave --ref_pretrain unset to "
+                        f"use the starting policy).")
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
+    # The frozen reference has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
+    ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
+                           world_size, offload_params=args.ref_offload, train=False)
+
+    def load_samples(source, split):
+        rows = data.load_records(source, split)
+        return data.build_preference_samples(rows, tokenizer, source, args.input_key, args.chosen_key,
+                                             args.rejected_key, args.max_len, args.apply_chat_template,
+                                             args.input_template, log=lambda msg: print_rank0(rank, msg))
+
+    train_samples = load_samples(args.dataset, args.dataset_split)
+    eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
+    steps_per_epoch = len(train_samples) // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
+                             f"lower --train_batch_size below {args.train_batch_size}.")
+    total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
+    engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
+                               args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
+    ref_engine = init_eval_engine(load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
+    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank) or {"step": 0}
+    start_step = state["step"]
+    if start_step:
+        print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
+    logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
+                           resume_step=start_step)
+
+    bar = progress(total_steps, rank, "dpo", initial=start_step)
+    for step in range(start_step, total_steps):
+        epoch = step // steps_per_epoch
+        step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
+                                          world_size, rank, args.seed, epoch)[step % steps_per_epoch]
+        names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "chosen_logps", "rejected_logps", "pairs",
+                 "ref_seconds")  # sums over this step's pairs
+        start, stats = time.time(), torch.zeros(len(names), device=device())
+        for indices in step_batches:
+            batch = collate([train_samples[i] for i in indices], tokenizer, device())
+            ref_start = time.time()
+            with torch.no_grad():
+                ref_chosen_logps, ref_rejected_logps = forward_logps(ref_engine, batch)
+            get_accelerator().synchronize()  # GPU kernels run asynchronously: time the work, not its launch
+            ref_seconds = time.time() - ref_start
+            chosen_logps, rejected_logps = forward_logps(engine, batch)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps,
+                                                                ref_rejected_logps, args.beta, args.label_smoothing,
+                                                                args.ipo)
+            loss = losses.mean()
+            if args.nll_loss_coef:
+                chosen_tokens = batch["loss_mask"][: len(indices), 1:].sum()
+                loss = loss + args.nll_loss_coef * -chosen_logps.sum() / chosen_tokens
+            engine.backward(loss)
+            engine.step()
+            stats += torch.tensor([losses.sum().item(), chosen_rewards.sum().item(), rejected_rewards.sum().item(),
+                                   (chosen_rewards > rejected_rewards).sum().item(), chosen_logps.sum().item(),
+                                   rejected_logps.sum().item(), len(indices), ref_seconds], device=stats.device)
+        dist.all_reduce(stats)
+        seconds, total = time.time() - start, dict(zip(names, stats.tolist()))
+        pairs = total["pairs"]
+        chosen_mean, rejected_mean = total["chosen_rewards"] / pairs, total["rejected_rewards"] / pairs
+        metrics = {"train/loss": total["loss"] / pairs, "rewards/accuracies": total["correct"] / pairs,
+                   "rewards/chosen": chosen_mean, "rewards/rejected": rejected_mean,
+                   "rewards/margins": chosen_mean - rejected_mean,
+                   "logps/chosen": total["chosen_logps"] / pairs, "logps/rejected": total["rejected_logps"] / pairs,
+                   "train/lr": engine.get_lr()[0], "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds,
+                   "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
+        if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
+            metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+        if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
+            logger.log(step + 1, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['rewards/accuracies']:.2f}")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank, local_rank,
+                                        args.keep_last_checkpoints)
+    bar.close()
+
+    summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
+    if eval_samples:
+        summary.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+        logger.log(total_steps, summary)
+    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank)
+    logger.close()
+    print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args(Args))

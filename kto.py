@@ -1,0 +1,312 @@
+"""Kahneman-Tversky optimization (KTO) on unpaired good/bad feedback, with DeepSpeed ZeRO.
+
+KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization") learns from responses that
+are each labelled desirable or undesirable, with no pairing: a response's implicit reward
+r(x, y) = log(pi(y|x) / pi_ref(y|x)) is compared with a reference point z0, the policy's KL from the reference, and
+the loss is 1 - sigmoid(beta * (r - z0)) for desirable responses and 1 - sigmoid(beta * (z0 - r)) for undesirable ones.
+
+    deepspeed --num_gpus 2 kto.py --pretrain SFT_MODEL --dataset feedback.jsonl --apply_chat_template --beta 0.1
+    python kto.py ...                                   # one process, same flags
+
+Implementation details, where they happen below:
+  - the reference model is the starting policy, frozen and partitioned with ZeRO-3 like the policy (`--ref_offload`
+    keeps its parameters in CPU memory); its tokenizer must be the policy's;
+  - a response's log-prob is summed over its tokens only; prompt and padding are masked out (common/data.py);
+  - z0 is estimated as in the paper: each prompt of a micro-batch is paired with the next sample's response, the
+    mean log-ratio of these mismatched pairs is averaged across ranks and clamped at 0, and no gradient flows
+    through it;
+  - the samples and their mismatched pairs go through each model in one forward pass, as one (2 x batch, seq) batch;
+  - `--desirable_weight` / `--undesirable_weight` (lambda_D, lambda_U) rebalance skewed data; the paper advises
+    lambda_D n_D / (lambda_U n_U) between 1 and 4/3, and the counts are printed at the start;
+  - labels must be JSON booleans;
+  - metrics are TRL's: rewards/{chosen,rejected,margins} over desirable and undesirable responses, objective/kl
+    (z0); rewards/accuracies is the fraction of responses whose implicit reward has the sign of their label.
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from common import checkpoint, data
+from common.args import UserError, parse_args, run_main
+from common.deepspeed_utils import (check_model_path, device, ds_config, init_distributed, init_eval_engine,
+                                    init_train_engine, load_model, load_tokenizer)
+from common.logging_utils import MetricsLogger, print_rank0, progress
+from common.modeling import next_token_logprobs
+
+
+@dataclass
+class Args:
+    # --- model and data
+    pretrain: str = ""
+    """the model to start from, usually an SFT model: a Hugging Face model folder or hub name"""
+    dataset: str = ""
+    """training feedback: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    eval_dataset: str | None = None
+    """held-out feedback in the same format, for the eval loss and reward accuracy"""
+    input_key: str = "prompt"
+    """key of the prompt (text, or a list of chat messages)"""
+    output_key: str = "response"
+    """key of the response"""
+    label_key: str = "label"
+    """key of the label: true for a desirable response, false for an undesirable one"""
+    apply_chat_template: bool = False
+    """render prompts with the tokenizer's chat template"""
+    input_template: str | None = None
+    """a template such as 'Question: {} Answer: ' the prompt is formatted into (without a chat template)"""
+    max_len: int = 512
+    """each prompt + response is truncated to this many tokens"""
+    output_dir: str = "out/kto"
+    """where the final Hugging Face model, metrics and checkpoints go"""
+    # --- training
+    seed: int = 42
+    """random seed"""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage: 0 (data parallel), 1, 2 or 3 (parameters partitioned)"""
+    offload_optimizer: bool = False
+    """keep the optimizer state in CPU memory (DeepSpeed CPU Adam)"""
+    offload_params: bool = False
+    """keep ZeRO-3 parameters in CPU memory"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    train_batch_size: int = 32
+    """samples per optimizer step, across all ranks"""
+    micro_train_batch_size: int = 8
+    """samples per forward pass on one rank (at least 2, for the mismatched pairs); the rest is gradient accumulation"""
+    max_epochs: int = 1
+    """passes over the training data"""
+    max_steps: int = 0
+    """stop after this many optimizer steps (0: run --max_epochs)"""
+    learning_rate: float = 5e-7
+    """peak learning rate"""
+    min_lr_ratio: float = 0.1
+    """the cosine schedule ends at this fraction of the peak learning rate"""
+    warmup_ratio: float = 0.03
+    """fraction of the steps spent warming the learning rate up linearly"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (never applied to biases and norms)"""
+    grad_clip: float = 1.0
+    """clip the gradient norm to this value"""
+    # --- logging and checkpoints
+    logging_steps: int = 1
+    """log training metrics every this many steps"""
+    eval_steps: int = 0
+    """evaluate every this many steps (0: only at the end)"""
+    save_steps: int = 0
+    """save a resumable checkpoint every this many steps (0: never)"""
+    ckpt_dir: str | None = None
+    """where resumable checkpoints go (default: <output_dir>/checkpoints); a run resumes from the latest one"""
+    keep_last_checkpoints: int = 2
+    """how many resumable checkpoints to keep"""
+    use_wandb: bool = False
+    """also log to Weights & Biases (offline without WANDB_API_KEY)"""
+    wandb_project: str = "rlhf-kto"
+    """wandb project name"""
+    # --- KTO
+    ref_pretrain: str | None = None
+    """the frozen reference model (default: --pretrain); it must use the policy's tokenizer"""
+    ref_offload: bool = False
+    """keep the reference model's ZeRO-3 parameters in CPU memory"""
+    beta: float = 0.1
+    """scale of the implicit reward beta * log(pi / pi_ref): the strength of the pull towards the reference"""
+    desirable_weight: float = 1.0
+    """lambda_D: weight of the loss on desirable responses"""
+    undesirable_weight: float = 1.0
+    """lambda_U: weight of the loss on undesirable responses"""
+
+
+# ------------------------------------------------------------------------------------------------- ALGO LOGIC
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.Tensor, kl: torch.Tensor | float,
+             beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+    """KTO loss of each response, lambda_y - v(x, y) of the paper's section 4, and its implicit reward.
+
+    policy_logps, ref_logps (batch,) are response log-probs summed over tokens, labels (batch,) bool (True:
+    desirable), kl the reference point z0. Returns (losses, rewards), each (batch,); the rewards
+    beta * log(pi / pi_ref) carry no gradient.
+    """
+    logratios = policy_logps - ref_logps
+    desirable_losses = desirable_weight * (1 - torch.sigmoid(beta * (logratios - kl)))
+    undesirable_losses = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratios)))
+    return torch.where(labels, desirable_losses, undesirable_losses), beta * logratios.detach()
+
+
+def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """z0: the mean log-ratio of the mismatched pairs, averaged across ranks, clamped at 0, without gradient."""
+    kl = (policy_kl_logps - ref_kl_logps).detach().mean()
+    dist.all_reduce(kl)
+    return (kl / dist.get_world_size()).clamp(min=0)
+
+
+def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the responses and of the mismatched pairs' responses, summed over tokens: (batch,) each."""
+    logprobs = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"])  # (2 * batch, seq - 1)
+    logps = (logprobs * batch["loss_mask"][:, 1:]).sum(-1)  # (2 * batch,)
+    return logps.chunk(2)
+# --------------------------------------------------------------------------------------------- END ALGO LOGIC
+
+
+def collate(samples, tokenizer, max_len, dev) -> dict:
+    """The samples, then each prompt with the next sample's response (KTO's mismatched pairs), padded into one
+    (2 * batch, seq) batch: one forward pass scores both."""
+    mismatched = []
+    for sample, other in zip(samples, samples[1:] + samples[:1]):
+        prompt, response = slice(0, sample["prompt_len"]), slice(other["prompt_len"], None)
+        mismatched.append({"input_ids": (sample["input_ids"][prompt] + other["input_ids"][response])[:max_len],
+                           "loss_mask": ([0] * sample["prompt_len"] + other["loss_mask"][response])[:max_len]})
+    batch = data.pad_collate(samples + mismatched, tokenizer.pad_token_id)
+    batch["labels"] = torch.tensor([s["label"] for s in samples])  # (batch,)
+    return {k: v.to(dev) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> dict:
+    """Mean loss, reward accuracy and reward margin over the eval samples, each rank taking every world_size-th one."""
+    engine.eval()
+    names = ("loss", "correct", "chosen_rewards", "chosen", "rejected_rewards", "rejected")  # sums over samples
+    stats = torch.zeros(len(names), device=device())
+    mine = samples[rank::world_size]
+    for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
+        chunk = mine[i: i + args.micro_train_batch_size] or samples[:2]  # every rank runs the same number of steps
+        weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
+        batch = collate(chunk, tokenizer, args.max_len, device())
+        (logps, kl_logps), (ref_logps, ref_kl_logps) = forward_logps(engine, batch), forward_logps(ref_engine, batch)
+        kl = kl_reference_point(kl_logps, ref_kl_logps)
+        labels = batch["labels"]
+        losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
+                                   args.undesirable_weight)
+        correct = torch.where(labels, rewards > 0, rewards < 0)  # the implicit reward has the label's sign
+        stats += weight * torch.tensor([losses.sum().item(), correct.sum().item(), rewards[labels].sum().item(),
+                                        labels.sum().item(), rewards[~labels].sum().item(), (~labels).sum().item()],
+                                       device=device())
+    dist.all_reduce(stats)
+    engine.train()
+    total = dict(zip(names, stats.tolist()))
+    samples_seen = total["chosen"] + total["rejected"]
+    return {"eval/loss": total["loss"] / samples_seen, "eval/rewards/accuracies": total["correct"] / samples_seen,
+            "eval/rewards/margins": total["chosen_rewards"] / max(total["chosen"], 1)
+            - total["rejected_rewards"] / max(total["rejected"], 1)}
+
+
+def main(args: Args):
+    check_model_path(args.pretrain)
+    if args.beta <= 0 or args.desirable_weight < 0 or args.undesirable_weight < 0:
+        raise UserError(f"--beta must be positive and the weights non-negative, got --beta {args.beta}, "
+                        f"--desirable_weight {args.desirable_weight}, --undesirable_weight {args.undesirable_weight}.")
+    if args.micro_train_batch_size < 2:
+        raise UserError("KTO pairs each prompt with another sample's response to estimate its KL reference point; "
+                        "set --micro_train_batch_size to 2 or more.")
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.pretrain)
+    ref_pretrain = args.ref_pretrain or args.pretrain
+    if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"--ref_pretrain {ref_pretrain} has a different tokenizer from --pretrain {args.pretrain}; "
+                        f"the reference model must share the policy's vocabulary (leave --ref_pretrain unset to "
+                        f"use the starting policy).")
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
+    # The frozen reference has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
+    ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
+                           world_size, offload_params=args.ref_offload, train=False)
+
+    def load_samples(source, split):
+        rows = data.load_records(source, split)
+        return data.build_kto_samples(rows, tokenizer, source, args.input_key, args.output_key, args.label_key,
+                                      args.max_len, args.apply_chat_template, args.input_template,
+                                      log=lambda msg: print_rank0(rank, msg))
+
+    train_samples = load_samples(args.dataset, args.dataset_split)
+    eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
+    steps_per_epoch = len(train_samples) // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
+                             f"lower --train_batch_size below {args.train_batch_size}.")
+    total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+    desirable = sum(s["label"] for s in train_samples)
+    undesirable = len(train_samples) - desirable
+    print_rank0(rank, f"{desirable} desirable and {undesirable} undesirable responses: lambda_D n_D / (lambda_U n_U) = "
+                      f"{args.desirable_weight * desirable / max(args.undesirable_weight * undesirable, 1e-9):.2f} "
+                      f"(the KTO paper advises 1 to 4/3)")
+
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
+    engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
+                               args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
+    ref_engine = init_eval_engine(load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
+    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank) or {"step": 0}
+    start_step = state["step"]
+    if start_step:
+        print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
+    logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
+                           resume_step=start_step)
+
+    bar = progress(total_steps, rank, "kto", initial=start_step)
+    for step in range(start_step, total_steps):
+        epoch = step // steps_per_epoch
+        step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
+                                          world_size, rank, args.seed, epoch)[step % steps_per_epoch]
+        names = ("loss", "kl", "correct", "chosen_rewards", "chosen_logps", "chosen", "rejected_rewards",
+                 "rejected_logps", "rejected", "micro_batches", "ref_seconds")  # sums over this step's samples
+        start, stats = time.time(), torch.zeros(len(names), device=device())
+        for indices in step_batches:
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.max_len, device())
+            ref_start = time.time()
+            with torch.no_grad():
+                ref_logps, ref_kl_logps = forward_logps(ref_engine, batch)
+            get_accelerator().synchronize()  # GPU kernels run asynchronously: time the work, not its launch
+            ref_seconds = time.time() - ref_start
+            logps, kl_logps = forward_logps(engine, batch)
+            kl = kl_reference_point(kl_logps, ref_kl_logps)
+            labels = batch["labels"]
+            losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
+                                       args.undesirable_weight)
+            loss = losses.mean()
+            engine.backward(loss)
+            engine.step()
+            correct = torch.where(labels, rewards > 0, rewards < 0)  # the implicit reward has the label's sign
+            stats += torch.tensor([losses.sum().item(), kl.item(), correct.sum().item(), rewards[labels].sum().item(),
+                                   logps[labels].sum().item(), labels.sum().item(), rewards[~labels].sum().item(),
+                                   logps[~labels].sum().item(), (~labels).sum().item(), 1, ref_seconds],
+                                  device=stats.device)
+        dist.all_reduce(stats)
+        seconds, total = time.time() - start, dict(zip(names, stats.tolist()))
+        samples_seen = total["chosen"] + total["rejected"]
+        chosen, rejected = max(total["chosen"], 1), max(total["rejected"], 1)  # desirable / undesirable responses
+        metrics = {"train/loss": total["loss"] / samples_seen, "rewards/chosen": total["chosen_rewards"] / chosen,
+                   "rewards/rejected": total["rejected_rewards"] / rejected,
+                   "rewards/accuracies": total["correct"] / samples_seen,
+                   "rewards/margins": total["chosen_rewards"] / chosen - total["rejected_rewards"] / rejected,
+                   "logps/chosen": total["chosen_logps"] / chosen, "logps/rejected": total["rejected_logps"] / rejected,
+                   "objective/kl": total["kl"] / total["micro_batches"], "train/lr": engine.get_lr()[0],
+                   "train/epoch": epoch, "perf/samples_per_sec": samples_seen / seconds,
+                   "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
+        if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
+            metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+        if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
+            logger.log(step + 1, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['rewards/accuracies']:.2f}")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank, local_rank,
+                                        args.keep_last_checkpoints)
+    bar.close()
+
+    summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
+    if eval_samples:
+        summary.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+        logger.log(total_steps, summary)
+    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank)
+    logger.close()
+    print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args(Args))

@@ -1,0 +1,271 @@
+"""Reward model (RM) training on preference pairs, with DeepSpeed ZeRO.
+
+The second stage of RLHF (Ouyang et al. 2022, "Training language models to follow instructions"; Stiennon et al. 2020,
+"Learning to summarize from human feedback"): a causal LM with a scalar head learns to score responses so that the
+preferred one of each pair scores higher, with the Bradley-Terry loss -log sigmoid(r(x, y_w) - r(x, y_l)).
+ppo_ray.py and rejection_sampling.py then optimise against its scores.
+
+    deepspeed --num_gpus 2 rm.py --pretrain SFT_MODEL --dataset pairs.jsonl --apply_chat_template
+    python rm.py ...                                    # one process, same flags
+
+Implementation details, where they happen below:
+  - the model is AutoModelForSequenceClassification with num_labels=1: the causal LM's backbone and a linear
+    score head (new weights) in place of its LM head, so the saved model loads with plain transformers;
+  - every response is ended by an EOS (put back when truncation cuts it off) and the reward is read there, at the
+    last real token (common/modeling.py: sequence_rewards); padding must then differ from EOS, so a tokenizer that
+    pads with its EOS is given another pad token;
+  - chosen and rejected responses go through the model in one forward pass, as one (2 x pairs, seq) batch;
+  - a "margin" in the data is subtracted inside the loss, as in Llama 2 (Touvron et al. 2023): pairs rated much
+    better must be separated by more;
+  - a pair whose chosen and rejected texts are identical carries no preference: it is skipped, with a warning;
+  - after training, the mean and std of the rewards on the eval set (the training set without one) are stored in
+    config.json as reward_mean and reward_std, so that consumers can normalise rewards.
+
+Load the result without this project's code:
+    model = AutoModelForSequenceClassification.from_pretrained(out_dir)   # reward = model(**batch).logits[:, 0]
+(the score is read at the last token that is not config.pad_token_id: right-pad with that id).
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification
+
+from common import checkpoint, data
+from common.args import UserError, parse_args, run_main
+from common.deepspeed_utils import (check_model_path, device, ds_config, init_distributed, init_train_engine,
+                                    load_model, load_tokenizer)
+from common.logging_utils import MetricsLogger, print_rank0, progress
+from common.modeling import sequence_rewards
+
+
+@dataclass
+class Args:
+    # --- model and data
+    pretrain: str = ""
+    """the model to start from, usually an SFT model: a Hugging Face model folder or hub name"""
+    dataset: str = ""
+    """training pairs: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
+    dataset_split: str = "train"
+    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    eval_dataset: str | None = None
+    """held-out pairs in the same format, for the eval loss, the accuracy and the reward statistics"""
+    input_key: str = "prompt"
+    """key of the prompt (text, or a list of chat messages)"""
+    chosen_key: str = "chosen"
+    """key of the preferred response"""
+    rejected_key: str = "rejected"
+    """key of the dispreferred response"""
+    apply_chat_template: bool = False
+    """render prompts with the tokenizer's chat template"""
+    input_template: str | None = None
+    """a template such as 'Question: {} Answer: ' the prompt is formatted into (without a chat template)"""
+    max_len: int = 512
+    """each prompt + response is truncated to this many tokens"""
+    output_dir: str = "out/rm"
+    """where the final Hugging Face model, metrics and checkpoints go"""
+    # --- training
+    seed: int = 42
+    """random seed"""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage: 0 (data parallel), 1, 2 or 3 (parameters partitioned)"""
+    offload_optimizer: bool = False
+    """keep the optimizer state in CPU memory (DeepSpeed CPU Adam)"""
+    offload_params: bool = False
+    """keep ZeRO-3 parameters in CPU memory"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    train_batch_size: int = 32
+    """pairs per optimizer step, across all ranks"""
+    micro_train_batch_size: int = 8
+    """pairs per forward pass on one rank; the rest is gradient accumulation"""
+    max_epochs: int = 1
+    """passes over the training data"""
+    max_steps: int = 0
+    """stop after this many optimizer steps (0: run --max_epochs)"""
+    learning_rate: float = 9e-6
+    """peak learning rate"""
+    min_lr_ratio: float = 0.1
+    """the cosine schedule ends at this fraction of the peak learning rate"""
+    warmup_ratio: float = 0.03
+    """fraction of the steps spent warming the learning rate up linearly"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (never applied to biases and norms)"""
+    grad_clip: float = 1.0
+    """clip the gradient norm to this value"""
+    # --- logging and checkpoints
+    logging_steps: int = 1
+    """log training metrics every this many steps"""
+    eval_steps: int = 0
+    """evaluate every this many steps (0: only at the end)"""
+    save_steps: int = 0
+    """save a resumable checkpoint every this many steps (0: never)"""
+    ckpt_dir: str | None = None
+    """where resumable checkpoints go (default: <output_dir>/checkpoints); a run resumes from the latest one"""
+    keep_last_checkpoints: int = 2
+    """how many resumable checkpoints to keep"""
+    use_wandb: bool = False
+    """also log to Weights & Biases (offline without WANDB_API_KEY)"""
+    wandb_project: str = "rlhf-rm"
+    """wandb project name"""
+    # --- reward model
+    margin_key: str = "margin"
+    """key of an optional per-pair margin the chosen reward must exceed the rejected one by (0 when absent)"""
+    loss: Literal["sigmoid", "logexp"] = "sigmoid"
+    """the pairwise loss: -log sigmoid(diff), or the same function written log(1 + exp(-diff))"""
+
+
+# ------------------------------------------------------------------------------------------------- ALGO LOGIC
+def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None,
+                  kind: str = "sigmoid") -> torch.Tensor:
+    """Bradley-Terry loss of each pair: -log sigmoid(r_chosen - r_rejected - margin), (pairs,) -> (pairs,).
+
+    "logexp" is OpenRLHF's LogExpLoss, log(1 + exp(r_rejected - r_chosen + margin)): mathematically the same
+    function (and gradient), computed as a log-sum-exp, kept so configs written for it still run.
+    """
+    diff = chosen_rewards - rejected_rewards - (0.0 if margin is None else margin)
+    if kind == "sigmoid":
+        return -F.logsigmoid(diff)
+    if kind == "logexp":
+        return torch.logaddexp(torch.zeros_like(diff), -diff)
+    raise ValueError(f"kind must be 'sigmoid' or 'logexp', got {kind!r}")
+
+
+def forward_rewards(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of the chosen and of the rejected responses, read at each one's final EOS: (pairs,) each."""
+    rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])  # (2 * pairs,)
+    return rewards.chunk(2)
+# --------------------------------------------------------------------------------------------- END ALGO LOGIC
+
+
+def collate(samples, tokenizer, dev) -> dict:
+    """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch: one forward pass scores both."""
+    batch = data.pad_collate([s["chosen"] for s in samples] + [s["rejected"] for s in samples], tokenizer.pad_token_id)
+    batch["margin"] = torch.tensor([s["margin"] for s in samples])  # (pairs,)
+    return {k: v.to(dev) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
+    """Mean loss, accuracy and the rewards' mean and std over the eval pairs, each rank taking every world_size-th."""
+    engine.eval()
+    names = ("loss", "correct", "pairs", "rewards", "squared_rewards")  # sums over pairs (rewards: both responses)
+    stats = torch.zeros(len(names), device=device(), dtype=torch.float64)
+    mine = samples[rank::world_size]
+    for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
+        chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
+        weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
+        batch = collate(chunk, tokenizer, device())
+        chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
+        losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"], args.loss)
+        rewards = torch.cat([chosen_rewards, rejected_rewards])
+        stats += weight * torch.tensor([losses.sum().item(), (chosen_rewards > rejected_rewards).sum().item(),
+                                        len(chunk), rewards.sum().item(), rewards.pow(2).sum().item()],
+                                       device=device(), dtype=torch.float64)
+    dist.all_reduce(stats)
+    engine.train()
+    total = dict(zip(names, stats.tolist()))
+    mean = total["rewards"] / (2 * total["pairs"])
+    std = math.sqrt(max(total["squared_rewards"] / (2 * total["pairs"]) - mean**2, 0.0))
+    return {"eval/loss": total["loss"] / total["pairs"], "eval/accuracy": total["correct"] / total["pairs"],
+            "eval/reward_mean": mean, "eval/reward_std": std}
+
+
+def main(args: Args):
+    check_model_path(args.pretrain)
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.pretrain)
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding
+        spare = [t for t in (tokenizer.unk_token, tokenizer.bos_token) if t and t != tokenizer.eos_token]
+        if not spare:
+            raise UserError(f"the tokenizer of {args.pretrain} pads with its EOS token and has no other special token "
+                            f"to pad with; add a pad token to it.")
+        tokenizer.pad_token = spare[0]
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
+
+    def load_samples(source, split):
+        rows = data.load_records(source, split)
+        return data.build_preference_samples(rows, tokenizer, source, args.input_key, args.chosen_key,
+                                             args.rejected_key, args.max_len, args.apply_chat_template,
+                                             args.input_template, args.margin_key, end_with_eos=True,
+                                             log=lambda msg: print_rank0(rank, msg))
+
+    train_samples = load_samples(args.dataset, args.dataset_split)
+    eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
+    steps_per_epoch = len(train_samples) // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
+                             f"lower --train_batch_size below {args.train_batch_size}.")
+    total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+
+    model = load_model(args.pretrain, config, AutoModelForSequenceClassification, args.gradient_checkpointing,
+                       num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
+                               args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
+    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank) or {"step": 0}
+    start_step = state["step"]
+    if start_step:
+        print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
+    logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
+                           resume_step=start_step)
+
+    bar = progress(total_steps, rank, "rm", initial=start_step)
+    for step in range(start_step, total_steps):
+        epoch = step // steps_per_epoch
+        step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
+                                          world_size, rank, args.seed, epoch)[step % steps_per_epoch]
+        names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "pairs")  # sums over this step's pairs
+        start, stats = time.time(), torch.zeros(len(names), device=device())
+        for indices in step_batches:
+            batch = collate([train_samples[i] for i in indices], tokenizer, device())
+            chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
+            losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"], args.loss)
+            loss = losses.mean()
+            engine.backward(loss)
+            engine.step()
+            stats += torch.tensor([losses.sum().item(), chosen_rewards.sum().item(), rejected_rewards.sum().item(),
+                                   (chosen_rewards > rejected_rewards).sum().item(), len(indices)], device=stats.device)
+        dist.all_reduce(stats)
+        seconds, total = time.time() - start, dict(zip(names, stats.tolist()))
+        pairs = total["pairs"]
+        chosen_mean, rejected_mean = total["chosen_rewards"] / pairs, total["rejected_rewards"] / pairs
+        metrics = {"train/loss": total["loss"] / pairs, "rewards/accuracies": total["correct"] / pairs,
+                   "rewards/chosen": chosen_mean, "rewards/rejected": rejected_mean,
+                   "rewards/margins": chosen_mean - rejected_mean,
+                   "train/lr": engine.get_lr()[0], "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds}
+        if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
+            metrics.update(evaluate(engine, eval_samples, args, tokenizer, rank, world_size))
+        if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
+            logger.log(step + 1, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['rewards/accuracies']:.2f}")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank, local_rank,
+                                        args.keep_last_checkpoints)
+    bar.close()
+
+    summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
+    # The reward statistics consumers normalise with come from the eval set, or the training set without one.
+    final = evaluate(engine, eval_samples or train_samples, args, tokenizer, rank, world_size)
+    if eval_samples:
+        summary.update(final)
+        logger.log(total_steps, summary)
+    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank,
+                             extra_config={"reward_mean": final["eval/reward_mean"],
+                                           "reward_std": final["eval/reward_std"]})
+    logger.close()
+    print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args(Args))
