@@ -512,6 +512,19 @@ class EngineDied(RuntimeError):
     """A vLLM engine actor is gone; the run stops and can be resumed from its last checkpoint."""
 
 
+def wait_for(refs: list, engines: list, what: str) -> list:
+    """ray.get(refs), checking every few seconds that the engines still live: a broadcast to a dead engine would
+    otherwise wait for the process group's timeout."""
+    while True:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+        if len(done) == len(refs):
+            return ray.get(refs)
+        try:
+            ray.get([e.ready.remote() for e in engines], timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise EngineDied(f"a vLLM engine died during {what} ({type(e).__name__})") from None
+
+
 def score(args, groups, reward_fn, batch, prompts, responses, labels) -> tuple[torch.Tensor, dict]:
     """The summed reward of every sequence (batch,), from reward models, the rule function and the remote RM."""
     total, metrics = torch.zeros(len(responses)), {}
@@ -732,6 +745,11 @@ def main(args: Args):
             ray.get([e.wake_up.remote() if awake else e.sleep.remote() for e in engines])
             engine_state["awake"] = awake
 
+    def engine_died(error, step):
+        done = json.load(open(state_file))["step"] if os.path.exists(state_file) else None
+        where = f"the checkpoint of step {done} in {ckpt_dir} is intact" if done else "no checkpoint was saved"
+        raise UserError(f"{error} at step {step + 1}; {where}. Rerun the same command to resume.")
+
     bar = progress(args.max_steps, 0, "ppo", initial=start_step)
     for step in range(start_step, args.max_steps):
         timings, t0 = {}, time.time()
@@ -747,9 +765,7 @@ def main(args: Args):
                             args.top_p, args.generate_max_len)
             engines_awake(False)
         except EngineDied as e:
-            done = json.load(open(state_file))["step"] if os.path.exists(state_file) else None
-            where = f"the checkpoint of step {done} in {ckpt_dir} is intact" if done else "no checkpoint was saved"
-            raise UserError(f"{e} at step {step + 1}; {where}. Rerun the same command to resume.") from None
+            engine_died(e, step)
         timings["time/generate"] = time.time() - t0
 
         # 2. experience: old log-probs, reference log-probs, values, rewards, all roles at once
@@ -785,7 +801,10 @@ def main(args: Args):
         # 4. send the new weights to vLLM
         t0 = time.time()
         engines_awake(True)
-        sync = ray.get(actor.call("sync_weights", engines))[0]
+        try:
+            sync = wait_for(actor.call("sync_weights", engines), engines, "the weight sync")[0]
+        except EngineDied as e:
+            engine_died(e, step)
         timings["time/weight_sync"] = time.time() - t0
 
         kl_ctl.update(kl.mean().item(), rollout)
