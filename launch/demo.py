@@ -32,7 +32,8 @@ DEEPSPEED_2 = [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]  # what
 
 def run(stage: str, cmd: list[str], log_dir: str) -> float:
     """Run one stage, its output going to <log_dir>/<stage>.log; stop the demo if it fails."""
-    shown = " ".join(shlex.quote(c.replace(ROOT + os.sep, "")) for c in cmd).replace(PY, "python")
+    shown = " ".join(shlex.quote("python" if c == PY else c.replace(ROOT + os.sep, "")) for c in cmd)
+    shown = shown.replace("python -m deepspeed.launcher.runner", "deepspeed")
     print(f"\n[{stage}] {shown}", flush=True)
     start = time.time()
     log = os.path.join(log_dir, f"{stage}.log")
