@@ -90,7 +90,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/demo", help="output folder (emptied first)")
     parser.add_argument("--sft_steps", type=int, default=600, help="SFT optimizer steps")
-    parser.add_argument("--ppo_steps", type=int, default=30, help="PPO steps")
+    parser.add_argument("--ppo_steps", type=int, default=20, help="PPO steps")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -117,11 +117,11 @@ def main():
                                "--reward_fn", "common/synthetic_task.py:reward_fn", "--critic_pretrain", d["rm"],
                                "--prompt_data", task("prompts_train"), "--eval_prompt_data", task("prompts_eval"),
                                "--apply_chat_template", "--prompt_max_len", "64", "--generate_max_len", "8",
-                               "--max_steps", str(args.ppo_steps), "--rollout_batch_size", "32",
-                               "--n_samples_per_prompt", "4", "--train_batch_size", "64",
-                               "--micro_train_batch_size", "32", "--actor_num_workers", "2",
+                               "--max_steps", str(args.ppo_steps), "--rollout_batch_size", "64",
+                               "--n_samples_per_prompt", "8", "--train_batch_size", "256",
+                               "--micro_train_batch_size", "64", "--actor_num_workers", "2",
                                "--actor_learning_rate", "1e-4", "--critic_learning_rate", "1e-4",
-                               "--init_kl_coef", "0.01", "--eval_steps", "10", "--output_dir", d["ppo"]], logs)
+                               "--init_kl_coef", "0.001", "--eval_steps", "5", "--output_dir", d["ppo"]], logs)
     times["dpo"] = run("dpo", [*DEEPSPEED_2, "dpo.py", "--pretrain", d["sft"], "--dataset", task("pref_train"),
                                "--eval_dataset", task("pref_eval"), "--apply_chat_template", "--max_len", "64",
                                "--max_epochs", "1", "--train_batch_size", "32", "--micro_train_batch_size", "16",
