@@ -515,14 +515,21 @@ class EngineDied(RuntimeError):
 def wait_for(refs: list, engines: list, what: str) -> list:
     """ray.get(refs), checking every few seconds that the engines still live: a broadcast to a dead engine would
     otherwise wait for the process group's timeout."""
-    while True:
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-        if len(done) == len(refs):
-            return ray.get(refs)
+    def check_engines():
         try:
             ray.get([e.ready.remote() for e in engines], timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             raise EngineDied(f"a vLLM engine died during {what} ({type(e).__name__})") from None
+
+    while True:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+        if len(done) == len(refs):
+            try:
+                return ray.get(refs)
+            except ray.exceptions.RayTaskError:  # e.g. the broadcast's connection to a killed engine was reset
+                check_engines()
+                raise
+        check_engines()
 
 
 def score(args, groups, reward_fn, batch, prompts, responses, labels) -> tuple[torch.Tensor, dict]:
