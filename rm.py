@@ -18,8 +18,8 @@ Implementation details, where they happen below:
   - a "margin" in the data is subtracted inside the loss, as in Llama 2 (Touvron et al. 2023): pairs rated much
     better must be separated by more;
   - a pair whose chosen and rejected texts are identical carries no preference: it is skipped, with a warning;
-  - after training, the mean and std of the rewards on the eval set (the training set without one) are stored in
-    config.json as reward_mean and reward_std, so that consumers can normalise rewards.
+  - after training, the mean and std of the rewards on the eval set (without one, on every n-th training pair,
+    ~1000 of them) are stored in config.json as reward_mean and reward_std, so that consumers can normalise rewards.
 
 Load the result without this project's code:
     model = AutoModelForSequenceClassification.from_pretrained(out_dir)   # reward = model(**batch).logits[:, 0]
@@ -254,8 +254,9 @@ def main(args: Args):
     bar.close()
 
     summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
-    # The reward statistics consumers normalise with come from the eval set, or the training set without one.
-    final = evaluate(engine, eval_samples or train_samples, args, tokenizer, rank, world_size)
+    # The reward statistics consumers normalise with come from the eval set, or ~1000 training pairs without one.
+    stats_samples = eval_samples or train_samples[:: max(1, len(train_samples) // 1000)]
+    final = evaluate(engine, stats_samples, args, tokenizer, rank, world_size)
     if eval_samples:
         summary.update(final)
         logger.log(total_steps, summary)
