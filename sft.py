@@ -16,6 +16,7 @@ Implementation details, where they happen below:
     batches the uninterrupted run would have seen.
 """
 
+import math
 import os
 import sys
 import time
@@ -133,7 +134,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> float:
     engine.eval()
     total = torch.zeros(2, device=device())  # (sum of NLL, number of tokens)
     mine = samples[rank::world_size]
-    for i in range(0, max(len(mine), 1), args.micro_train_batch_size):
+    # Under ZeRO-3 every forward is collective: all ranks run as many passes as the rank with the most samples.
+    for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
         batch = collate(chunk, tokenizer, args.packing_samples, device())

@@ -36,8 +36,8 @@ def sample_problems(n: int, rng: random.Random, max_operand: int, held_out: bool
 
 def wrong_answer(answer: str, rng: random.Random) -> str:
     """A near miss, the kind of mistake the model makes: off by one or by ten."""
-    value = int(answer) + rng.choice([-11, -10, -1, 1, 10, 11])
-    return str(abs(value) if value != int(answer) else value + 1)
+    value = abs(int(answer) + rng.choice([-11, -10, -1, 1, 10, 11]))
+    return str(value if value != int(answer) else value + 1)
 
 
 def extract_answer(response: str) -> str | None:
