@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
 from common import checkpoint, data
-from common.args import UserError, parse_args, run_main
-from common.deepspeed_utils import (check_model_path, device, ds_config, init_distributed, init_eval_engine,
-                                    init_train_engine, load_model, load_tokenizer)
+from common.args import UserError, check_model_path, parse_args, run_main
+from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
+                                    load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import next_token_logprobs
 

@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 
 from common import ppo_tricks as tricks  # noqa: E402
 from common import rewards  # noqa: E402
-from common.args import UserError, parse_args, run_main  # noqa: E402
+from common.args import UserError, check_model_path, parse_args, run_main  # noqa: E402
 from common.data import DataError, get_key, load_records, render_prompt  # noqa: E402
 from common.logging_utils import MetricsLogger, progress  # noqa: E402
 from common.ray_workers import RayWorker, WorkerGroup, check_resources, make_placement_group, use_gpus  # noqa: E402
@@ -594,8 +594,6 @@ def check_args(args: Args) -> None:
         if rollout % (workers * args.micro_train_batch_size):
             raise UserError(f"{rollout} responses per step do not split into {workers} {role} worker(s) x "
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
-    from common.deepspeed_utils import check_model_path
-
     check_model_path(args.pretrain)
     for path in args.reward_pretrain or []:
         check_model_path(path, "--reward_pretrain")
@@ -823,6 +821,8 @@ def main(args: Args):
             "response/truncated": sum(o["finish_reason"] == "length" for oi in outs for o in oi) / rollout,
             "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask),
             "weight_sync/bytes": sync.get("weight_sync/bytes", 0),
+            "weight_sync/vllm_load": sync.get("weight_sync/load_seconds", 0),
+            "perf/rollout_tokens_per_sec": response_lengths.sum() / timings["time/generate"],
             **reward_metrics, **timings})
         if eval_prompts and args.eval_steps and (step + 1) % args.eval_steps == 0:
             metrics.update(evaluate())

@@ -18,7 +18,6 @@ Implementation details, where they happen below:
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -26,9 +25,8 @@ import torch
 import torch.distributed as dist
 
 from common import checkpoint, data
-from common.args import parse_args, run_main
-from common.deepspeed_utils import (check_model_path, device, ds_config, init_distributed, init_train_engine,
-                                    load_model, load_tokenizer)
+from common.args import check_model_path, parse_args, run_main
+from common.deepspeed_utils import device, ds_config, init_distributed, init_train_engine, load_model, load_tokenizer
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import next_token_logprobs
 

@@ -25,9 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.args import parse_args
+from common.net import free_port
 from common.tiny_model import write_tiny_model
 from common.vllm_engine import create_vllm_engines
-from common.weight_sync import free_port, broadcast_weights_to_vllm, init_weight_sync_group, new_process_group
+from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, new_process_group
 
 # name -> write_tiny_model keyword arguments (head_dim stays >= 32 for vLLM's CPU attention)
 CONFIGS = {

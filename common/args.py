@@ -17,10 +17,22 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import sys
 import textwrap
 import types
 import typing
+
+
+def check_model_path(path: str, flag: str = "--pretrain") -> None:
+    """Fail early, in one sentence, on a model folder that is not there or holds no model ("org/name" is left to
+    the hub, which reports its own errors)."""
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise UserError(f"{flag} {path} has no config.json; give a Hugging Face model folder.")
+    elif not (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not path.startswith(".")):
+        raise UserError(f"{flag} {path} does not exist; give a Hugging Face model folder or hub name.")
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -267,6 +267,9 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
     for i, row in enumerate(rows):
         prompt = get_key(row, input_key, i, source)
         chosen, rejected = get_key(row, chosen_key, i, source), get_key(row, rejected_key, i, source)
+        if isinstance(chosen, (list, dict)) or isinstance(rejected, (list, dict)):
+            raise DataError(f"{source}, sample {i}: {chosen_key!r} and {rejected_key!r} must be response texts; put "
+                            f"the conversation before them under {input_key!r}.")
         if str(chosen) == str(rejected):
             identical += 1
             continue
@@ -306,6 +309,9 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         prompt, response = get_key(row, input_key, i, source), get_key(row, output_key, i, source)
+        if isinstance(response, (list, dict)):
+            raise DataError(f"{source}, sample {i}: {output_key!r} must be a response text; put the conversation "
+                            f"before it under {input_key!r}.")
         label = get_key(row, label_key, i, source)
         if not isinstance(label, bool):
             raise DataError(f"{source}, sample {i}: {label_key!r} must be true or false (a JSON boolean), "

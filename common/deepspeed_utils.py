@@ -6,8 +6,6 @@ on CPU in fp32 with gloo. `python script.py` runs as a single rank; `deepspeed -
 
 import math
 import os
-import re
-import socket
 
 import deepspeed
 import torch
@@ -15,24 +13,19 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from common.args import UserError
+from common.args import UserError, check_model_path
+from common.net import free_port
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
 # cost more than it saves. Kept low so that even the tiny test model is really partitioned.
 ZERO3_PERSISTENCE_THRESHOLD = 10_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> tuple[int, int, int]:
     """Join (or, under plain `python`, create) the default process group; return (rank, world_size, local_rank)."""
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port("127.0.0.1")))
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():  # under Ray each worker sees only its own GPU(s), hence the modulo
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -87,13 +80,6 @@ def ds_config(stage: int, train_batch_size: int, micro_batch_size: int, world_si
     if not train:
         del config["gradient_clipping"]
     return config
-
-
-def check_model_path(path: str, flag: str = "--pretrain") -> None:
-    """Fail early, in one sentence, on a local model path that does not exist ("org/name" is left to the hub)."""
-    hub_name = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not path.startswith(".")
-    if not os.path.isdir(os.path.expanduser(path)) and not hub_name:
-        raise UserError(f"{flag} {path} does not exist; give a Hugging Face model folder or hub name.")
 
 
 def load_tokenizer(path: str, flag: str = "--pretrain"):

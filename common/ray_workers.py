@@ -12,23 +12,20 @@ the bundles of one group and each take a fraction of a bundle.
 """
 
 import os
-import socket
 
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError
+from common.net import free_port
 
 
 class RayWorker:
     """What every role's actor can do before it loads a model: report an address and join its world."""
 
     def address(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

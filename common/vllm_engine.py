@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import placement_group as new_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.args import UserError
+from common.args import UserError, check_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +106,19 @@ class VLLMEngine:
         self.llm.collective_rpc("weight_sync_init",
                                 args=(master_address, master_port, rank_offset, world_size, backend))
 
-    def update_weights(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> None:
-        """Receive one bucket of weights, listed as (name, dtype, shape), from the trainer's broadcast."""
-        self.llm.collective_rpc("weight_sync_receive_bucket", args=(meta,))
+    def update_weights(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> float:
+        """Receive one bucket of weights, listed as (name, dtype, shape), from the trainer's broadcast; returns the
+        seconds the slowest worker spent loading it."""
+        return max(self.llm.collective_rpc("weight_sync_receive_bucket", args=(meta,)))
 
-    def finish_weight_update(self) -> None:
-        """After the last bucket: finish loading, and forget cached KV, which the old weights computed."""
-        self.llm.collective_rpc("weight_sync_finish")
+    def finish_weight_update(self) -> float:
+        """After the last bucket: finish loading, and forget cached KV, which the old weights computed; returns the
+        seconds the slowest worker took to finish."""
+        seconds = max(self.llm.collective_rpc("weight_sync_finish"))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update; "
                                "do not update weights while this engine is generating.")
+        return seconds
 
     def sleep(self, level: int = 1) -> None:
         """Free the GPU for the trainer: level 1 moves the weights to CPU memory and drops the KV cache."""
@@ -134,17 +137,6 @@ class VLLMEngine:
         if not self.enable_sleep_mode:
             raise RuntimeError("wake_up() needs engines created with create_vllm_engines(..., enable_sleep_mode=True).")
         self.llm.wake_up(tags=tags)
-
-
-def _check_model_path(path: str) -> None:
-    """Fail before any actor starts when `path` names a local folder that is not there or holds no model."""
-    looks_like_hub_name = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    local = os.path.expanduser(path)
-    if os.path.isdir(local):
-        if not os.path.isfile(os.path.join(local, "config.json")):
-            raise UserError(f"pretrain_path {path} has no config.json; give a Hugging Face model folder.")
-    elif not looks_like_hub_name:
-        raise UserError(f"pretrain_path {path} does not exist; give a Hugging Face model folder or hub name.")
 
 
 def _check_resources(kind: str, needed: float, what: str) -> None:
@@ -170,7 +162,7 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     """
     if not ray.is_initialized():
         raise UserError("create_vllm_engines needs Ray: call ray.init() first.")
-    _check_model_path(pretrain_path)
+    check_model_path(pretrain_path, "pretrain_path")
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
     if not use_gpu and tensor_parallel_size != 1:
         raise UserError(f"tensor_parallel_size is {tensor_parallel_size} but Ray has no GPUs; "

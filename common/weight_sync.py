@@ -20,12 +20,13 @@ The vLLM side is `WeightSyncWorkerExtension`, which vLLM mixes into its worker c
 
 import datetime
 import math
-import socket
 import time
 from collections.abc import Iterable, Iterator
 
 import ray
 import torch
+
+from common.net import free_port
 
 # How long a broadcast or the group's rendezvous waits for the other side before failing, instead of hanging.
 SYNC_TIMEOUT = datetime.timedelta(minutes=10)
@@ -49,13 +50,6 @@ def new_process_group(master_address: str, master_port: int, rank: int, world_si
         options._timeout = SYNC_TIMEOUT
         return torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
     raise ValueError(f"weight-sync backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU).")
-
-
-def free_port() -> int:
-    """A TCP port that is free on this machine now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------------ trainer side
@@ -111,17 +105,23 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
 
     Runs on trainer rank 0. Each tensor is copied into the bucket as soon as it arrives, so `named_params` may free
     it right after (as `iter_gathered_params` does). A tensor larger than `bucket_bytes` travels alone. Returns
-    counts and the wall time, e.g. {"weight_sync/buckets": 3, "weight_sync/tensors": 21, ...}.
+    counts and times, e.g. {"weight_sync/buckets": 3, "weight_sync/tensors": 21, "weight_sync/seconds": 0.4, ...};
+    "weight_sync/load_seconds" is the part vLLM spent putting received tensors into its model (the slowest engine's,
+    summed over buckets), which on CPU includes repacking every linear layer's weights for its GEMM kernels.
     """
     start_time = time.perf_counter()
-    stats = {"weight_sync/buckets": 0, "weight_sync/tensors": 0, "weight_sync/bytes": 0}
+    stats = {"weight_sync/buckets": 0, "weight_sync/tensors": 0, "weight_sync/bytes": 0,
+             "weight_sync/load_seconds": 0.0}
     in_flight = []  # Ray refs of the previous bucket's load, checked one bucket later so loading overlaps packing
+
+    def wait_loads(refs):  # each engine reports the seconds it spent loading; the slowest one counts
+        stats["weight_sync/load_seconds"] += max(ray.get(refs), default=0.0)
 
     def send(flat: torch.Tensor, meta: list[tuple[str, str, tuple[int, ...]]]):
         nonlocal in_flight
         refs = [engine.update_weights.remote(meta) for engine in engines]
         group.broadcast(flat, 0).wait()
-        ray.get(in_flight)
+        wait_loads(in_flight)
         in_flight = refs
         stats["weight_sync/buckets"] += 1
         stats["weight_sync/bytes"] += flat.numel() * flat.element_size()
@@ -146,8 +146,8 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
         meta.append(entry)
     if meta:
         send(buffer[:used], meta)
-    ray.get(in_flight)
-    ray.get([engine.finish_weight_update.remote() for engine in engines])
+    wait_loads(in_flight)
+    wait_loads([engine.finish_weight_update.remote() for engine in engines])
     stats["weight_sync/seconds"] = time.perf_counter() - start_time
     return stats
 
@@ -167,8 +167,9 @@ class WeightSyncWorkerExtension:
                                                     backend)
         self._weight_reload_open = False
 
-    def weight_sync_receive_bucket(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> None:
-        """Receive one bucket from the trainer's broadcast and load its tensors into the model."""
+    def weight_sync_receive_bucket(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> float:
+        """Receive one bucket from the trainer's broadcast and load its tensors into the model; returns the seconds
+        spent loading (after the receive)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -182,6 +183,7 @@ class WeightSyncWorkerExtension:
         flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)  # (bucket numel,)
         # Receive before anything can fail, so that this worker never leaves the trainer's broadcast unmatched.
         self._weight_sync_group.broadcast(flat, 0).wait()
+        start = time.perf_counter()
         tensors = [(name, t.view(shape)) for (name, _, shape), t in zip(meta, flat.split(sizes))]
 
         # One in-place reload spans all buckets of a sync: vLLM's `reload_weights` run in pieces. Calling
@@ -193,17 +195,21 @@ class WeightSyncWorkerExtension:
                 initialize_layerwise_reload(model)
                 self._weight_reload_open = True
             model.load_weights(weights=iter(tensors))
+        return time.perf_counter() - start
 
-    def weight_sync_finish(self) -> None:
-        """Close the reload the buckets opened: process layers still pending and drop state built on old weights."""
+    def weight_sync_finish(self) -> float:
+        """Close the reload the buckets opened: process layers still pending and drop state built on old weights;
+        returns the seconds it took."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         if not self._weight_reload_open:
-            return
+            return 0.0
+        start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
         self._weight_reload_open = False
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
+        return time.perf_counter() - start

@@ -142,7 +142,7 @@ def main():
         f"Tiny Llama ({d['base']}) on the synthetic addition task; {len(open(task('prompts_eval')).readlines())} "
         "held-out problems, answered greedily.", "", *table, "",
         f"Reward model preference accuracy on held-out pairs: {rm_accuracy:.1%}" if rm_accuracy is not None else "",
-        f"Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items())
+        "Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items())
         + f"; total {time.time() - started:.0f}.", "",
         f"PPO curves: {os.path.join(out, 'ppo_curves.png')}. Logs: {logs}. Models and metrics: one folder per stage "
         f"in {out}.",

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from common.net import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Offline and quiet, on any machine: no hub, no wandb account, no Ray token, vLLM inside the calling process.
@@ -57,7 +59,7 @@ def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 600
         cmd = [sys.executable, os.path.join(ROOT, script), *args]
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs),
-               "--master_port", str(_free_port()), os.path.join(ROOT, script), *args]
+               "--master_port", str(free_port()), os.path.join(ROOT, script), *args]
     if background:  # own process group, so a test can SIGKILL the launcher and every rank at once
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -71,11 +73,3 @@ def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 600
 def kill_group(proc) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -3,10 +3,8 @@
 import json
 import os
 import subprocess
-import sys
 import time
 
-import pytest
 
 from common.task_eval import greedy_responses, task_accuracy
 from conftest import ROOT, kill_group, run_script

@@ -1,13 +1,13 @@
 """Check the PPO tricks in common/ppo_tricks.py against plain-Python references and their defining formulas."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.net import free_port
 from common.ppo_tricks import (
     AdaptiveKLController,
     FixedKLController,
@@ -263,12 +263,6 @@ def test_distributed_masked_whiten_without_process_group_is_local():
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _whiten_on_rank(rank: int, world_size: int, port: int, shards: list, out_dir: str) -> None:
     """Runs in a spawned process: whiten this rank's shard with global statistics and save the result."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -284,7 +278,7 @@ def test_distributed_masked_whiten_matches_single_process(tmp_path):
     # Different batch sizes and sequence lengths per rank: only the masked tokens count.
     shards = [random_values_and_mask(11, shape=(3, 5)), random_values_and_mask(12, shape=(5, 9))]
     shards[1][0][:] += 4  # different means per rank, so local whitening would give a different answer
-    mp.spawn(_whiten_on_rank, args=(2, _free_port(), shards, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_whiten_on_rank, args=(2, free_port(), shards, str(tmp_path)), nprocs=2, join=True)
 
     all_values = torch.cat([values[mask] for values, mask in shards])  # (n_masked_tokens,)
     everything = torch.ones_like(all_values, dtype=torch.bool)

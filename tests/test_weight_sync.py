@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import UserError
 from common.vllm_engine import create_vllm_engines
-from common.weight_sync import broadcast_weights_to_vllm, free_port, init_weight_sync_group, iter_gathered_params
+from common.net import free_port
+from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 MAX_NEW_TOKENS = 12
 TEXTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9.", "What is 40+41?", "Add 19 and 2."]
