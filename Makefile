@@ -31,6 +31,9 @@ demo: setup
 
 bench: setup
 	$(PY) bench/bench_sft.py
+	$(PY) bench/bench_preference.py
+	$(PY) bench/bench_weight_sync.py
+	$(PY) bench/bench_ppo.py
 
 clean:
 	rm -rf out .cache

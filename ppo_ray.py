@@ -94,11 +94,11 @@ class Args:
     actor_num_workers: int = 1
     """DeepSpeed ranks of the actor (one GPU each)"""
     critic_num_workers: int = 1
-    """DeepSpeed ranks of the critic"""
+    """DeepSpeed ranks of the critic (with --colocate_all: the actor's count)"""
     ref_num_workers: int = 1
-    """DeepSpeed ranks of the reference model"""
+    """DeepSpeed ranks of the reference model (colocated with the actor: the actor's count)"""
     reward_num_workers: int = 1
-    """DeepSpeed ranks of each reward model"""
+    """DeepSpeed ranks of each reward model (colocated with the critic: the critic's count)"""
     vllm_num_engines: int = 1
     """vLLM engines generating rollouts"""
     vllm_tensor_parallel_size: int = 1

@@ -111,8 +111,8 @@ def main():
                                "--eval_steps", "200", "--output_dir", d["sft"]], logs)
     times["rm"] = run("rm", [*DEEPSPEED_2, "rm.py", "--pretrain", d["sft"], "--dataset", task("pref_train"),
                              "--eval_dataset", task("pref_eval"), "--apply_chat_template", "--max_len", "64",
-                             "--max_epochs", "1", "--train_batch_size", "32", "--micro_train_batch_size", "16",
-                             "--learning_rate", "1e-3", "--output_dir", d["rm"]], logs)
+                             "--max_epochs", "3", "--train_batch_size", "32", "--micro_train_batch_size", "16",
+                             "--learning_rate", "1e-4", "--output_dir", d["rm"]], logs)
     times["ppo"] = run("ppo", [PY, "ppo_ray.py", "--pretrain", d["sft"], "--reward_pretrain", d["rm"],
                                "--reward_fn", "common/synthetic_task.py:reward_fn", "--critic_pretrain", d["rm"],
                                "--prompt_data", task("prompts_train"), "--eval_prompt_data", task("prompts_eval"),
@@ -125,7 +125,8 @@ def main():
     times["dpo"] = run("dpo", [*DEEPSPEED_2, "dpo.py", "--pretrain", d["sft"], "--dataset", task("pref_train"),
                                "--eval_dataset", task("pref_eval"), "--apply_chat_template", "--max_len", "64",
                                "--max_epochs", "1", "--train_batch_size", "32", "--micro_train_batch_size", "16",
-                               "--learning_rate", "1e-4", "--beta", "0.1", "--output_dir", d["dpo"]], logs)
+                               "--learning_rate", "1e-4", "--beta", "0.1", "--nll_loss_coef", "1",
+                               "--output_dir", d["dpo"]], logs)
 
     print("\n[eval] scoring every model on held-out problems", flush=True)
     rows = []

@@ -169,27 +169,30 @@ def sft_accuracy(sft_model, task) -> float:
 
 
 def test_rm_ranks_correct_answers_above_wrong_ones_and_loads_with_plain_transformers(sft_model, task, tmp_path):
-    """One epoch of rm.py on the SFT model. Its likelihood ranks 87% of the held-out pairs right, but a score read
-    at the final EOS has to learn the check anew (a linear probe of the SFT model's EOS state: 52%): one epoch
-    reaches about 0.6, three about 0.7, so the bounds here sit just above chance, not far above it."""
+    """Three epochs of rm.py on the SFT model (lr 1e-4). The score is read at the final EOS, whose hidden state has
+    to learn the check anew (a linear probe of the SFT model's EOS state: 52%). What it learns in this budget is the
+    tens digit: answers off by 10 or 11 are ranked below the right one about 80% of the time, answers off by one
+    about half the time, so the eval accuracy on the task's near misses ends near 0.7 (0.685-0.73 over lr 1e-4 to
+    5e-4; 0.6 after one epoch)."""
     out = str(tmp_path / "rm")
     run_script("rm.py", ["--pretrain", sft_model, "--dataset", task["pref_train"], "--eval_dataset",
-                         task["pref_eval"], *RUN_ARGS, "--max_steps", "125", "--learning_rate", "3e-4",
+                         task["pref_eval"], *RUN_ARGS, "--max_epochs", "3", "--learning_rate", "1e-4",
                          "--output_dir", out], nprocs=2)
     log = metrics(out)
-    late = [m["rewards/accuracies"] for m in log if "rewards/accuracies" in m][-40:]  # 1280 pairs seen once
-    assert sum(late) / len(late) >= 0.56 and log[-1]["eval/accuracy"] >= 0.55, (late, log[-1])  # chance: 0.5
+    late = [m["rewards/accuracies"] for m in log if "rewards/accuracies" in m][-40:]  # the last 1280 pairs
+    assert sum(late) / len(late) >= 0.62 and log[-1]["eval/accuracy"] >= 0.63, (late, log[-1])  # chance: 0.5
 
     # Held-out problems, each answered right and in the six ways the task's near misses go wrong, scored with
     # transformers alone: right-padded with the saved tokenizer, read at the last token that is not padding.
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
-    problems = [p for p in data.load_records(task["prompts_eval"]) if int(p["label"]) >= 11][:60]
-    offsets = (0, -11, -10, -1, 1, 10, 11)
+    problems = [p for p in data.load_records(task["prompts_eval"]) if int(p["label"]) >= 11][:100]
+    offsets = (0, -11, -10, 10, 11, -1, 1)
     texts = [chat(tokenizer, p["prompt"], str(int(p["label"]) + d)) for p in problems for d in offsets]
     rewards = score(model, tokenizer, texts).view(len(problems), len(offsets))  # (problem, [right, 6 wrong])
-    ranked_right = (rewards[:, :1] > rewards[:, 1:]).float().mean().item()
-    assert ranked_right >= 0.55, ranked_right
+    ranked_right = rewards[:, :1] > rewards[:, 1:]  # (problem, wrong answer)
+    assert ranked_right[:, :4].float().mean() >= 0.7, ranked_right.float().mean(0)  # the tens digit is wrong
+    assert ranked_right.float().mean() >= 0.6, ranked_right.float().mean(0)
 
     # The mean and std stored in config.json normalise the eval set's rewards to mean 0 and std 1.
     pairs = data.load_records(task["pref_eval"])
