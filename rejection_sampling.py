@@ -90,6 +90,9 @@ class Args:
     """a template such as 'Question: {} Answer: ' the prompt is formatted into (without a chat template)"""
     max_samples: int = 0
     """use only the first this many prompts (0: all)"""
+    prompts_per_iteration: int = 0
+    """with --iterations: round k samples prompts k*P .. (k+1)*P-1 of the dataset, wrapping around (0: every prompt
+    every round; fresh prompts keep a round from training again on what the previous one learned)"""
     output_dir: str = "out/rejection_sampling"
     """where the data, the models of --iterations, the metrics and state.json go"""
     seed: int = 42
@@ -218,6 +221,8 @@ def check_args(args: Args) -> None:
         raise UserError(f"--csft_template must contain {{prompt}} and {{reward}}, got {args.csft_template!r}.")
     if args.iterations < 0 or args.train_num_gpus < 1:
         raise UserError("--iterations must be 0 or more and --train_num_gpus at least 1.")
+    if args.prompts_per_iteration < 0 or args.max_samples < 0:
+        raise UserError("--prompts_per_iteration and --max_samples must be 0 (all prompts) or more.")
 
 
 def tokenize_prompts(tokenizer, prompts: list, args: Args, source: str) -> list[list[int]]:
@@ -342,6 +347,13 @@ def save_state(args: Args, state: dict) -> None:
     write_atomic(os.path.join(args.output_dir, "state.json"), json.dumps(state, indent=1))
 
 
+def iteration_prompts(k: int, total: int, per_iteration: int) -> list[int]:
+    """Indices of the prompts round k samples: its own slice of `per_iteration`, wrapping around; all if 0."""
+    if not per_iteration:
+        return list(range(total))
+    return [(k * per_iteration + i) % total for i in range(min(per_iteration, total))]
+
+
 def iteration_dir(args: Args, k: int) -> str:
     return os.path.join(args.output_dir, f"iter_{k}") if args.iterations else args.output_dir
 
@@ -356,9 +368,9 @@ def main(args: Args):
     rows = data.load_records(args.dataset, args.dataset_split)[: args.max_samples or None]
     if not rows:
         raise data.DataError(f"dataset {args.dataset} is empty.")
-    prompts = [data.get_key(row, args.input_key, i, args.dataset) for i, row in enumerate(rows)]
-    labels = [row.get(args.label_key) for row in rows]
-    prompt_ids = tokenize_prompts(tokenizer, prompts, args, args.dataset)
+    all_prompts = [data.get_key(row, args.input_key, i, args.dataset) for i, row in enumerate(rows)]
+    all_labels = [row.get(args.label_key) for row in rows]
+    all_ids = tokenize_prompts(tokenizer, all_prompts, args, args.dataset)
 
     state = load_state(args)
     rounds, n = max(args.iterations, 1), args.n_samples_per_prompt
@@ -370,6 +382,8 @@ def main(args: Args):
     for k in range(state["finished_iterations"], rounds):
         out = iteration_dir(args, k)
         os.makedirs(out, exist_ok=True)
+        picked = iteration_prompts(k, len(all_prompts), args.prompts_per_iteration)
+        prompts, labels, prompt_ids = ([xs[i] for i in picked] for xs in (all_prompts, all_labels, all_ids))
         policy = args.pretrain if k == 0 else os.path.join(iteration_dir(args, k - 1), "model")
         files = {name: os.path.join(out, f"{name}.jsonl") for name in ("generations", "scored", args.mode)}
         seconds = dict.fromkeys(("generate", "sampling", "score", "train"), 0.0)  # stages a resumed run skips: 0

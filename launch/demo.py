@@ -50,12 +50,14 @@ def run(stage: str, cmd: list[str], log_dir: str) -> float:
 def evaluate(model_dir: str, rm_dir: str, prompts_file: str) -> dict:
     """Greedy task accuracy and the reward model's mean (normalised) score of the greedy answers."""
     import torch
+    import transformers
 
     from common.data import load_records
     from common.rewards import load_reward_model, reward_model_scores
     from common.synthetic_task import reward_fn
     from common.task_eval import greedy_responses
 
+    transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per model is noise here
     rows = load_records(prompts_file)
     prompts, labels = [r["prompt"] for r in rows], [r["label"] for r in rows]
     responses = greedy_responses(model_dir, prompts)
@@ -138,15 +140,17 @@ def main():
 
     table = ["| model | task accuracy (greedy, held-out) | mean reward-model score |", "|---|---|---|"]
     table += [f"| {stage} | {m['accuracy']:.1%} | {m['reward']:+.3f} |" for stage, m in rows]
+    rel = os.path.relpath  # paths as the user would type them from where they ran the demo
     summary = "\n".join([
         "# Demo results", "",
-        f"Tiny Llama ({d['base']}) on the synthetic addition task; {len(open(task('prompts_eval')).readlines())} "
+        f"Tiny Llama ({rel(d['base'])}) on the synthetic addition task; {len(open(task('prompts_eval')).readlines())} "
         "held-out problems, answered greedily.", "", *table, "",
-        f"Reward model preference accuracy on held-out pairs: {rm_accuracy:.1%}" if rm_accuracy is not None else "",
+        f"Reward model preference accuracy on held-out pairs: {rm_accuracy:.1%} (chance: 50%)"
+        if rm_accuracy is not None else "",
         "Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items())
         + f"; total {time.time() - started:.0f}.", "",
-        f"PPO curves: {os.path.join(out, 'ppo_curves.png')}. Logs: {logs}. Models and metrics: one folder per stage "
-        f"in {out}.",
+        f"PPO curves: {rel(os.path.join(out, 'ppo_curves.png'))}. Logs: {rel(logs)}. Models and metrics: one folder "
+        f"per stage in {rel(out)}.",
     ])
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(summary + "\n")

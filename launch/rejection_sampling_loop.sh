@@ -30,7 +30,7 @@ python rejection_sampling.py \
     --pretrain "$SFT_MODEL" \
     --dataset "$PROMPTS" --dataset_split "$PROMPT_SPLIT" --input_key prompt \
     --input_template "$INPUT_TEMPLATE" \
-    --max_samples 10000 \
+    --prompts_per_iteration 10000 \
     --reward_pretrain "$RM_MODEL" \
     --vllm_num_engines 8 --vllm_tensor_parallel_size 1 --vllm_gpu_memory_utilization 0.9 \
     --max_model_len 4096 --generate_max_len 1024 \

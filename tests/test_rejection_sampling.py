@@ -213,7 +213,8 @@ def test_iterative_dpo_with_a_reward_model_resumes_in_the_iteration_it_was_kille
         first_200 = f.readlines()[:200]
     with open(os.path.join(out, "iter_0", "generations.jsonl"), "w") as f:
         f.writelines(first_200)
-    args = rs_args(sft_model, task, out, "--max_samples", "200", "--mode", "dpo_pairs", "--iterations", "2",
+    args = rs_args(sft_model, task, out, "--max_samples", "300", "--prompts_per_iteration", "200", "--mode",
+                   "dpo_pairs", "--iterations", "2",
                    "--reward_pretrain", rm, "--reward_weights", "0.1", "1.0", "--reward_batch_size", "256",
                    "--train_args", "--max_steps 2 --train_batch_size 8 --micro_train_batch_size 4 --max_len 64")
     proc = run_script("rejection_sampling.py", args, background=True)
@@ -230,6 +231,10 @@ def test_iterative_dpo_with_a_reward_model_resumes_in_the_iteration_it_was_kille
     assert "iteration 1: resuming with the samples" in result.stdout and "iteration 0" not in result.stdout
     assert f"dpo.py --pretrain {out}/iter_0/model --dataset {out}/iter_1/dpo_pairs.jsonl" in result.stdout
     assert json.load(open(os.path.join(out, "state.json")))["finished_iterations"] == 2
+    prompts = [row["prompt"] for row in load_records(task["prompts_train"])[:300]]
+    sampled = [[row["prompt"] for row in load_records(os.path.join(out, f"iter_{k}", "generations.jsonl"))]
+               for k in (0, 1)]
+    assert sampled == [prompts[:200], prompts[200:] + prompts[:100]]  # each round its own slice, wrapping around
     for k in (0, 1):
         pairs = load_records(os.path.join(out, f"iter_{k}", "dpo_pairs.jsonl"))  # dpo.py trained on them as they stand
         assert pairs and all(p["chosen_reward"] > p["rejected_reward"] and p["chosen"] != p["rejected"] for p in pairs)
