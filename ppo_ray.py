@@ -60,7 +60,7 @@ class Args:
     reward_pretrain: list[str] | None = None
     """one or more reward models saved by rm.py"""
     reward_weights: list[float] | None = None
-    """weight of each reward model in the summed reward (default: 1 each)"""
+    """one weight per reward source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url (default: 1s)"""
     reward_fn: str | None = None
     """a rule-based reward, 'path.py:function', called as function(prompts, responses, labels) -> list of floats"""
     remote_rm_url: str | None = None
@@ -537,19 +537,19 @@ def score(args, groups, reward_fn, batch, prompts, responses, labels) -> tuple[t
     total, metrics = torch.zeros(len(responses)), {}
     micro = args.micro_train_batch_size
     refs = [g.call_sharded("scores", shard(batch, len(g), micro)) for g in groups]
-    weights = args.reward_weights or [1.0] * len(groups)
-    for i, (w, parts) in enumerate(zip(weights, refs)):
+    weights = iter(args.reward_weights or [1.0] * (len(groups) + bool(reward_fn) + bool(args.remote_rm_url)))
+    for i, parts in enumerate(refs):
         rm_scores = gather(parts, len(responses))
         metrics[f"rewards/rm{i}"] = rm_scores.mean()
-        total += w * rm_scores
+        total += next(weights) * rm_scores
     if reward_fn:
         rule = torch.tensor(rewards.call_reward_fn(reward_fn, prompts, responses, labels), dtype=torch.float)
         metrics["rewards/rule"] = rule.mean()
-        total += rule
+        total += next(weights) * rule
     if args.remote_rm_url:
         remote = torch.tensor(rewards.remote_reward(args.remote_rm_url, prompts, responses, labels))
         metrics["rewards/remote"] = remote.mean()
-        total += remote
+        total += next(weights) * remote
     return total.clamp(-args.reward_clip, args.reward_clip), metrics
 
 
@@ -579,9 +579,10 @@ def check_args(args: Args) -> None:
     """Catch flag mistakes before any worker starts."""
     if not (args.reward_pretrain or args.reward_fn or args.remote_rm_url):
         raise UserError("no reward source: give --reward_pretrain, --reward_fn and/or --remote_rm_url.")
-    if args.reward_weights and len(args.reward_weights) != len(args.reward_pretrain or []):
-        raise UserError(f"--reward_weights has {len(args.reward_weights)} values for "
-                        f"{len(args.reward_pretrain or [])} reward models; give one weight per model.")
+    num_sources = len(args.reward_pretrain or []) + bool(args.reward_fn) + bool(args.remote_rm_url)
+    if args.reward_weights and len(args.reward_weights) != num_sources:
+        raise UserError(f"--reward_weights has {len(args.reward_weights)} weights for {num_sources} reward sources; "
+                        f"give one per source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url.")
     if args.advantage_estimator in ("grpo", "rloo") and args.n_samples_per_prompt < 2:
         raise UserError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt; "
                         f"set --n_samples_per_prompt to 2 or more.")

@@ -43,7 +43,7 @@ def run(stage: str, cmd: list[str], log_dir: str) -> float:
         with open(log) as f:
             tail = f.read()[-3000:]
         sys.exit(f"{tail}\nthe {stage} stage failed (exit {result.returncode}); its whole log is {log}")
-    print(f"[{stage}] done in {time.time() - start:.0f} s (log: {log})", flush=True)
+    print(f"[{stage}] done in {time.time() - start:.0f} s (log: {os.path.relpath(log)})", flush=True)
     return time.time() - start
 
 

@@ -5,7 +5,6 @@ import os
 import subprocess
 import time
 
-
 from common.task_eval import greedy_responses, task_accuracy
 from conftest import ROOT, kill_group, run_script
 
@@ -137,9 +136,22 @@ def bad_inputs(sft_model, task, tmp):
         "raising reward": (["--reward_fn", raising + ":reward"], "reward"),
         "tokenizer mismatch": (["--reward_fn", REWARD_FN, "--critic_pretrain", other_tokenizer],
                                "has a different tokenizer"),
+        "a weight per reward model only": (["--reward_fn", REWARD_FN, "--reward_weights", "1.0", "0.5"],
+                                           "--reward_weights has 2 weights for 1 reward sources"),
         "too many workers": (["--reward_fn", REWARD_FN, "--actor_num_workers", "40", "--rollout_batch_size", "320",
                               "--train_batch_size", "320"], "the Ray cluster has"),
     }
+
+
+def test_reward_sources_are_weighted_in_the_order_of_the_flags():
+    """--reward_weights has one weight per source: reward models, then --reward_fn, then --remote_rm_url."""
+    import ppo_ray
+    from common.synthetic_task import reward_fn
+
+    prompts, responses, labels = ["What is 1 + 2?"] * 3, ["3", "4", "3"], ["3", "3", "3"]
+    args = ppo_ray.Args(reward_fn=REWARD_FN, reward_weights=[0.5], reward_clip=10.0)
+    total, parts = ppo_ray.score(args, [], reward_fn, None, prompts, responses, labels)
+    assert total.tolist() == [0.5, 0.0, 0.5] and abs(float(parts["rewards/rule"]) - 2 / 3) < 1e-6
 
 
 def test_bad_input_gives_one_clear_sentence(sft_model, task, tmp_path):
