@@ -91,8 +91,8 @@ class Args:
     max_samples: int = 0
     """use only the first this many prompts (0: all)"""
     prompts_per_iteration: int = 0
-    """with --iterations: round k samples prompts k*P .. (k+1)*P-1 of the dataset, wrapping around (0: every prompt
-    every round; fresh prompts keep a round from training again on what the previous one learned)"""
+    """with --iterations: round k samples prompts k*P .. (k+1)*P-1 of the dataset, wrapping around, so that each
+    round sees prompts the previous ones did not (0: every prompt in every round)"""
     output_dir: str = "out/rejection_sampling"
     """where the data, the models of --iterations, the metrics and state.json go"""
     seed: int = 42

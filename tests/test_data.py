@@ -63,6 +63,20 @@ def test_truncation_and_dropping_are_counted_and_all_too_long_is_an_error(tokeni
         data.build_sft_samples(rows[1:], tokenizer, "t.jsonl", "prompt", "response", 16, log=logs.append)
 
 
+def test_preference_and_kto_responses_must_be_texts(tokenizer):
+    """A conversation where a response should be is refused by name, not rendered as the text of a Python list."""
+    turns = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
+    pairs = [{"prompt": "What is 2+3?", "chosen": "5", "rejected": "6"}, {"prompt": "hi", "chosen": turns,
+                                                                          "rejected": "6"}]
+    assert len(data.build_preference_samples(pairs[:1], tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64,
+                                             log=lambda m: None)) == 1
+    with pytest.raises(data.DataError, match="p.jsonl, sample 1: 'chosen' and 'rejected' must be response texts"):
+        data.build_preference_samples(pairs, tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64)
+    rows = [{"prompt": "What is 2+3?", "completion": turns, "label": True}]
+    with pytest.raises(data.DataError, match="k.jsonl, sample 0: 'completion' must be a response text"):
+        data.build_kto_samples(rows, tokenizer, "k.jsonl", "prompt", "completion", "label", 64)
+
+
 def test_packed_loss_and_gradients_equal_padded(tiny_model, tokenizer):
     from sft import forward_logprobs, sft_loss
 
