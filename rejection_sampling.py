@@ -223,6 +223,9 @@ def check_args(args: Args) -> None:
         raise UserError("--iterations must be 0 or more and --train_num_gpus at least 1.")
     if args.prompts_per_iteration < 0 or args.max_samples < 0:
         raise UserError("--prompts_per_iteration and --max_samples must be 0 (all prompts) or more.")
+    if args.prompts_per_iteration and not args.iterations:
+        raise UserError("--prompts_per_iteration splits the prompts among the rounds of --iterations; without "
+                        "rounds, use --max_samples to sample fewer prompts.")
 
 
 def tokenize_prompts(tokenizer, prompts: list, args: Args, source: str) -> list[list[int]]:

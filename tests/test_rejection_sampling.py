@@ -127,6 +127,8 @@ def test_bad_input_is_one_clear_sentence_before_anything_is_written(tiny_model, 
         "--reward_weights has 1 weights for 2 reward sources": ["--remote_rm_url", "http://127.0.0.1:1/r",
                                                                "--reward_weights", "1.0"],
         "--min_reward drops prompts in best_of_n and dpo_pairs": ["--mode", "csft", "--min_reward", "1.0"],
+        "--prompts_per_iteration splits the prompts among the rounds of --iterations": ["--prompts_per_iteration",
+                                                                                        "10"],
     }
     for message, override in cases.items():
         args = parse_args(Args, rs_args(tiny_model, task, out, "--max_samples", "20") + override)
