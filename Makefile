@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-fast demo bench lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ $(STAMP): $(REQUIREMENTS) requirements-common.txt
 test: setup
 	$(PY) -m pytest -q
 
+# The tier for a quick check while editing: everything that does not run a script end to end (under 2 minutes).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
 demo: setup
 	$(PY) launch/demo.py --out out/demo
 
@@ -34,6 +38,10 @@ bench: setup
 	$(PY) bench/bench_preference.py
 	$(PY) bench/bench_weight_sync.py
 	$(PY) bench/bench_ppo.py
+
+lint: setup
+	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf out .cache
