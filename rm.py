@@ -11,9 +11,10 @@ ppo_ray.py and rejection_sampling.py then optimise against its scores.
 Implementation details, where they happen below:
   - the model is AutoModelForSequenceClassification with num_labels=1: the causal LM's backbone and a linear
     score head (new weights) in place of its LM head, so the saved model loads with plain transformers;
-  - every response is ended by an EOS (put back when truncation cuts it off) and the reward is read there, at the
-    last real token (common/modeling.py: sequence_rewards); padding must then differ from EOS, so a tokenizer that
-    pads with its EOS is given another pad token;
+  - every response is ended by an EOS (put back when truncation cuts it off, and what a chat template writes after
+    it, such as ChatML's newline, cut off) and the reward is read there, at the last real token
+    (common/modeling.py: sequence_rewards), the token sequence ppo_ray.py and rejection_sampling.py score;
+    padding must then differ from EOS, so a tokenizer that pads with its EOS is given another pad token;
   - chosen and rejected responses go through the model in one forward pass, as one (2 x pairs, seq) batch;
   - a "margin" in the data is subtracted inside the loss, as in Llama 2 (Touvron et al. 2023): pairs rated much
     better must be separated by more;
@@ -30,7 +31,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -116,24 +116,17 @@ class Args:
     # --- reward model
     margin_key: str = "margin"
     """key of an optional per-pair margin the chosen reward must exceed the rejected one by (0 when absent)"""
-    loss: Literal["sigmoid", "logexp"] = "sigmoid"
-    """the pairwise loss: -log sigmoid(diff), or the same function written log(1 + exp(-diff))"""
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
-def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None,
-                  kind: str = "sigmoid") -> torch.Tensor:
+def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                  margin: torch.Tensor | None = None) -> torch.Tensor:
     """Bradley-Terry loss of each pair: -log sigmoid(r_chosen - r_rejected - margin), (pairs,) -> (pairs,).
 
-    "logexp" is OpenRLHF's LogExpLoss, log(1 + exp(r_rejected - r_chosen + margin)): mathematically the same
-    function (and gradient), computed as a log-sum-exp, kept so configs written for it still run.
+    OpenRLHF's LogExpLoss, log(1 + exp(r_rejected - r_chosen)), is this same function, so there is no choice to offer.
     """
     diff = chosen_rewards - rejected_rewards - (0.0 if margin is None else margin)
-    if kind == "sigmoid":
-        return -F.logsigmoid(diff)
-    if kind == "logexp":
-        return torch.logaddexp(torch.zeros_like(diff), -diff)
-    raise ValueError(f"kind must be 'sigmoid' or 'logexp', got {kind!r}")
+    return -F.logsigmoid(diff)
 
 
 def forward_rewards(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +134,13 @@ def forward_rewards(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])  # (2 * pairs,)
     return rewards.chunk(2)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
+
+
+def load_pairs(args: Args, tokenizer, source: str, split: str, log=print) -> list[dict]:
+    """Training or eval pairs, each response cut after its EOS, where the reward is read (common/data.py)."""
+    return data.build_preference_samples(data.load_records(source, split), tokenizer, source, args.input_key,
+                                         args.chosen_key, args.rejected_key, args.max_len, args.apply_chat_template,
+                                         args.input_template, args.margin_key, end_with_eos=True, log=log)
 
 
 def collate(samples, tokenizer, dev) -> dict:
@@ -162,7 +162,7 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
         batch = collate(chunk, tokenizer, device())
         chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
-        losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"], args.loss)
+        losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"])
         rewards = torch.cat([chosen_rewards, rejected_rewards])
         stats += weight * torch.tensor([losses.sum().item(), (chosen_rewards > rejected_rewards).sum().item(),
                                         len(chunk), rewards.sum().item(), rewards.pow(2).sum().item()],
@@ -190,15 +190,9 @@ def main(args: Args):
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
-    def load_samples(source, split):
-        rows = data.load_records(source, split)
-        return data.build_preference_samples(rows, tokenizer, source, args.input_key, args.chosen_key,
-                                             args.rejected_key, args.max_len, args.apply_chat_template,
-                                             args.input_template, args.margin_key, end_with_eos=True,
-                                             log=lambda msg: print_rank0(rank, msg))
-
-    train_samples = load_samples(args.dataset, args.dataset_split)
-    eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
+    log = lambda msg: print_rank0(rank, msg)
+    train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log)
+    eval_samples = load_pairs(args, tokenizer, args.eval_dataset, "test", log) if args.eval_dataset else []
     steps_per_epoch = len(train_samples) // args.train_batch_size
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
@@ -227,7 +221,7 @@ def main(args: Args):
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, device())
             chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
-            losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"], args.loss)
+            losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"])
             loss = losses.mean()
             engine.backward(loss)
             engine.step()
@@ -248,7 +242,7 @@ def main(args: Args):
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['rewards/accuracies']:.2f}")
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank, local_rank,
+            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank,
                                         args.keep_last_checkpoints)
     bar.close()
 

@@ -238,6 +238,24 @@ def micro_batches(num_samples: int, train_batch_size: int, micro_batch_size: int
     return steps
 
 
+def stream_indices(num_samples: int, count: int, seed: int, start: int) -> list[int]:
+    """Positions start .. start + count - 1 of an endless stream of sample indices, mapped into range(num_samples).
+
+    Each pass over the data is a fresh shuffle fixed by (seed, pass), so consecutive draws walk through the whole
+    set before any sample repeats, and any position can be computed again: a caller that derives `start` from its
+    step and rank draws disjoint rows on every rank and continues exactly where it left off after a resume.
+    """
+    orders = {}
+    indices = []
+    for position in range(start, start + count):
+        epoch, offset = divmod(position, num_samples)
+        if epoch not in orders:
+            orders[epoch] = list(range(num_samples))
+            random.Random(seed * 100_003 + epoch).shuffle(orders[epoch])
+        indices.append(orders[epoch][offset])
+    return indices
+
+
 # ------------------------------------------------------------------------------------ preference and KTO samples
 def _tokenize_response(tokenizer, prompt, response, max_len: int, apply_chat_template: bool,
                        input_template: str | None, end_with_eos: bool) -> tuple[dict, bool]:
@@ -245,11 +263,32 @@ def _tokenize_response(tokenizer, prompt, response, max_len: int, apply_chat_tem
     text, spans = render_pair(tokenizer, prompt, str(response), apply_chat_template, input_template)
     ids, mask = tokenize_with_spans(tokenizer, text, spans)
     mask[0] = 0  # the first token has nothing before it to be predicted from
+    if end_with_eos:
+        ids, mask = _end_at_response_eos(ids, mask, tokenizer.eos_token_id)
     truncated = len(ids) > max_len
     ids, mask = ids[:max_len], mask[:max_len]
     if end_with_eos and ids[-1] != tokenizer.eos_token_id:  # a reward is read at an EOS, even after truncation
         ids, mask = ids[: max_len - 1] + [tokenizer.eos_token_id], mask[: max_len - 1] + [1]
     return {"input_ids": ids, "loss_mask": mask}, truncated
+
+
+def _end_at_response_eos(ids: list[int], mask: list[int], eos_id: int) -> tuple[list[int], list[int]]:
+    """Cut a rendered prompt + response right after the response's first EOS.
+
+    A reward model is read at the EOS that ends the response, and PPO scores what the policy generated: the prompt,
+    the response and the EOS at which generation stopped. Chat templates that write more after the end-of-turn
+    token (ChatML's "<|im_end|>\n") would otherwise leave that tail in the training rows, and the appended EOS
+    after it would be read in a context the policy's rollouts never have. The response is the last run of masked
+    tokens (earlier assistant turns of a conversation are runs of their own).
+    """
+    end = max((i for i, m in enumerate(mask) if m), default=-1)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    eos = next((i for i in range(max(start, 0), end + 1) if ids[i] == eos_id), None)
+    if eos is None:
+        return ids, mask
+    return ids[: eos + 1], mask[: eos + 1]
 
 
 def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rejected_key, max_len,

@@ -27,8 +27,8 @@ def init_distributed() -> tuple[int, int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port("127.0.0.1")))
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():  # under Ray each worker sees only its own GPU(s), hence the modulo
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if torch.cuda.is_available():  # a visible device's index, also under Ray (ray_workers.join_world): DeepSpeed's
+        torch.cuda.set_device(local_rank)  # engine and zero.Init call set_device(LOCAL_RANK) themselves
     deepspeed.init_distributed()
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
 
@@ -101,8 +101,8 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
     """
     check_model_path(path, flag)
     hf_ds_config = HfDeepSpeedConfig(config) if config["zero_optimization"]["stage"] == 3 else None
-    attn = "flash_attention_2" if torch.cuda.is_available() and _has_flash_attn() else "sdpa"
     dtype = torch.bfloat16 if use_bf16() else torch.float32
+    attn = attention_implementation(dtype)
     try:
         model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn, **kwargs)
     except OSError as e:
@@ -112,6 +112,14 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def attention_implementation(dtype: torch.dtype) -> str:
+    """flash-attention 2 on CUDA in bf16/fp16 when it is installed, else PyTorch's sdpa. flash-attn's kernels take
+    only half precision and fail at the first forward of an fp32 model (GPUs without bf16, before Ampere), which
+    transformers only warns about when it loads the model."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    return "flash_attention_2" if half and torch.cuda.is_available() and _has_flash_attn() else "sdpa"
 
 
 def _has_flash_attn() -> bool:
@@ -139,8 +147,10 @@ def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: boo
     """AdamW without weight decay on biases and norms; DeepSpeed's CPU Adam when the optimizer lives on the CPU."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        # The full shape: under ZeRO-3 a partitioned parameter's data is an empty 1-D tensor, its shape is ds_shape.
+        ndim = len(getattr(p, "ds_shape", p.shape))
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+            (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -42,17 +42,23 @@ def sequence_rewards(model, input_ids, attention_mask, normalize: bool = False) 
     scores = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits  # (batch, 1)
     rewards = scores.squeeze(-1).float()
-    if normalize:
-        rewards = (rewards - config.reward_mean) / config.reward_std
-    return rewards
+    return normalize_reward(rewards, config) if normalize else rewards
+
+
+def normalize_reward(rewards: torch.Tensor, config) -> torch.Tensor:
+    """(rewards - reward_mean) / reward_std with the statistics rm.py stores in the reward model's config."""
+    return (rewards - config.reward_mean) / config.reward_std
 
 
 # ----------------------------------------------------------------------------------------------------- critics
-def token_values(model, input_ids, attention_mask) -> torch.Tensor:
+def token_values(model, input_ids, attention_mask, normalize: bool = False) -> torch.Tensor:
     """A value for every position: the sequence-classification head applied to each hidden state, (batch, seq).
 
     `model` is an AutoModelForSequenceClassification with num_labels=1 (a reward model, or a fresh head on the
-    policy), so a critic initialised from the reward model starts out predicting its scores.
+    policy), so a critic initialised from the reward model starts out predicting its scores. `normalize` puts the
+    values on the scale of normalised rewards with the reward mean and std rm.py stored, as OpenRLHF's critic does:
+    the rewards PPO trains on are normalised, and a critic left on the raw scale would spend many value-clipped
+    steps catching up.
     """
     model = getattr(model, "module", model)
     backbone = getattr(model, model.base_model_prefix)
@@ -60,4 +66,5 @@ def token_values(model, input_ids, attention_mask) -> torch.Tensor:
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state  # (batch, seq, hidden)
-    return head(hidden).squeeze(-1).float()
+    values = head(hidden).squeeze(-1).float()
+    return normalize_reward(values, model.config) if normalize else values

@@ -7,13 +7,12 @@ Nothing divides by an empty count: a statistic over no tokens is 0.
     - compute_gae / compute_returns           advantages and returns (Schulman et al. 2016, GAE)
     - kl_penalty                              per-token KL estimators k1, k2, k3 (http://joschu.net/blog/kl-approx.html)
     - FixedKLController / AdaptiveKLController  the KL coefficient (Ziegler et al. 2019)
-    - masked_mean / masked_var / masked_whiten / distributed_masked_whiten
-    - place_reward_on_eos / compute_token_rewards / normalize_rewards
-    - group_advantages                        critic-free baselines: GRPO, RLOO, REINFORCE++
+    - masked_mean / masked_var / masked_whiten
+    - place_reward_on_eos / compute_token_rewards
+    - group_advantages                        critic-free baselines: GRPO, RLOO
 """
 
 import torch
-import torch.distributed as dist
 
 # Added to the variance before the square root, so whitening a constant tensor gives zeros, not NaN.
 WHITEN_EPS = 1e-8
@@ -29,53 +28,20 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return total / count.clamp(min=1)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `values` over all masked positions (Bessel-corrected if `unbiased`); 0 for fewer than 2 tokens."""
+def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Bessel-corrected variance of `values` over all masked positions; 0 for fewer than 2 tokens."""
     mask = mask.bool()
     centered = torch.where(mask, values - masked_mean(values, mask), 0.0)
-    count = mask.sum()
-    dof = count - 1 if unbiased else count
-    return centered.square().sum() / dof.clamp(min=1)
+    return centered.square().sum() / (mask.sum() - 1).clamp(min=1)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Normalise the masked entries of `values` to mean 0 and variance 1; masked-out positions come back as 0.
 
-    With shift_mean=False the mean is added back, so only the scale changes: TRL and OpenRLHF whiten rewards this
-    way, keeping their sign, and whiten advantages with shift_mean=True.
+    ppo_ray.py whitens gae and reinforce++ advantages with it over the whole batch, on the driver.
     """
     mask = mask.bool()
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask)
-    return _whiten_with(values, mask, mean, var, shift_mean)
-
-
-def distributed_masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, group=None
-) -> torch.Tensor:
-    """masked_whiten with mean and variance taken over the masked tokens of every rank in `group`.
-
-    Each rank holds a different slice of the batch; whitening each slice with its own statistics would give every
-    rank a differently scaled advantage. One all_reduce of (sum, sum of squares, count) gives the global statistics.
-    Without an initialised torch.distributed this is masked_whiten on the local data.
-    """
-    mask = mask.bool()
-    # float64 because var = E[x^2] - E[x]^2 cancels badly in float32 when the mean is large next to the spread.
-    masked = torch.where(mask, values, 0.0).double()
-    stats = torch.stack([masked.sum(), masked.square().sum(), mask.sum().double()])  # (3,)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-    total, total_sq, count = stats.unbind()
-    mean = total / count.clamp(min=1)
-    # Same Bessel-corrected variance as masked_var, so one rank gives exactly masked_whiten.
-    var = ((total_sq - count * mean.square()) / (count - 1).clamp(min=1)).clamp(min=0)
-    return _whiten_with(values, mask, mean.to(values.dtype), var.to(values.dtype), shift_mean)
-
-
-def _whiten_with(values, mask, mean, var, shift_mean):
-    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
-    if not shift_mean:
-        whitened = whitened + mean
+    whitened = (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + WHITEN_EPS)
     return torch.where(mask, whitened, 0.0)
 
 
@@ -129,7 +95,6 @@ def group_advantages(
     - "grpo" (Shao et al. 2024, DeepSeekMath): score minus its group's mean, over the group's std + eps.
     - "rloo" (Ahmadian et al. 2024): score minus the mean of the other samples of the same prompt, an unbiased
       baseline because it does not depend on the sample itself; needs at least 2 samples per prompt.
-    - "reinforce++" (Hu 2025): the score unchanged; REINFORCE++ whitens the token returns over the whole batch later.
     """
     n = n_samples_per_prompt
     if n < 1 or scores.shape[0] % n != 0:
@@ -147,10 +112,8 @@ def group_advantages(
             raise ValueError("rloo needs n_samples_per_prompt >= 2 to form a leave-one-out baseline; raise it.")
         baseline = (groups.sum(dim=1, keepdim=True) - groups) / (n - 1)
         advantages = groups - baseline
-    elif kind == "reinforce++":
-        advantages = groups.clone()
     else:
-        raise ValueError(f"unknown advantage estimator {kind!r}; use 'grpo', 'rloo' or 'reinforce++'.")
+        raise ValueError(f"unknown group advantage {kind!r}; use 'grpo' or 'rloo'.")
     return advantages.reshape(-1)
 
 
@@ -233,33 +196,12 @@ def place_reward_on_eos(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return torch.where(mask, rewards, 0.0)
 
 
-def compute_token_rewards(
-    scores: torch.Tensor,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    kl_coef: float,
-    kind: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards for PPO with GAE: -kl_coef * KL on every response token, plus the score on the last one.
+def compute_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """Per-token rewards for PPO: -kl_coef * KL on every response token, plus the score on the last one.
 
     The KL term keeps the policy near the reference model token by token (Ziegler et al. 2019; Stiennon et al. 2020).
-    Returns (rewards, kl), both (batch, seq) and 0 outside the mask; kl is what gets logged as objective/kl.
+    scores (batch,); kl, the per-token estimate from kl_penalty that is also logged as objective/kl, and mask
+    (batch, seq). Returns (batch, seq), 0 outside the mask.
     """
     mask = mask.bool()
-    kl = torch.where(mask, kl_penalty(logprobs, ref_logprobs, kind), 0.0)  # (batch, seq)
-    rewards = -kl_coef * kl + place_reward_on_eos(scores, mask)
-    return rewards, kl
-
-
-def normalize_rewards(scores: torch.Tensor, mean, std, clip: float | None = None) -> torch.Tensor:
-    """(scores - mean) / std, then clamped to [-clip, clip] if clip is given.
-
-    mean and std are usually the reward model's running statistics. A std of 0 (one sample, or all scores equal)
-    leaves the scale as it is rather than dividing by zero.
-    """
-    std = torch.as_tensor(std, dtype=scores.dtype, device=scores.device)
-    normalized = (scores - mean) / torch.where(std > 0, std, 1.0)
-    if clip is not None:
-        normalized = normalized.clamp(-clip, clip)
-    return normalized
+    return -kl_coef * torch.where(mask, kl, 0.0) + place_reward_on_eos(scores, mask)

@@ -19,14 +19,19 @@ from ray.util.placement_group import placement_group as new_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError, check_model_path
+from common.ray_workers import wait
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "common.weight_sync.WeightSyncWorkerExtension"
 
 # Share of a GPU each vLLM worker asks Ray for when it sits in a placement group passed in by the caller, which is
-# assumed to be shared with the trainer (colocation); the rest of the GPU stays with the trainer's actors.
+# assumed to be shared with the trainer (colocation); the rest of the GPU stays with the trainer's actors. On CPU
+# the engine asks for this share of the bundle's CPUs, since the trainer's roles already hold the rest.
 COLOCATED_GPU_SHARE = 0.2
+
+# Seconds the engines may take to be placed and load their model before start-up gives up with a sentence.
+ENGINE_START_TIMEOUT_S = 1800
 
 # KV cache of an engine on CPU when VLLM_CPU_KVCACHE_SPACE is unset: vLLM's own default reserves a share of all RAM.
 DEFAULT_CPU_KVCACHE_GIB = "1"
@@ -71,8 +76,17 @@ class VLLMEngine:
         """The Ray node this engine runs on (for placement reports)."""
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        """The engine's process id (placement.json), so that a test or an operator can end exactly this engine."""
+        return os.getpid()
+
     def tensor_parallel_size(self) -> int:
         return self._tensor_parallel_size
+
+    def placement(self) -> list[dict]:
+        """{"node", "gpu_ids"} of each vLLM worker (tensor-parallel rank order), from which the trainer picks the
+        weight-sync transport to it (weight_sync.plan_transports)."""
+        return self.llm.collective_rpc(_worker_placement)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                  max_tokens: int = 16, logprobs: bool = True, **sampling_kwargs) -> list[list[dict]]:
@@ -139,6 +153,12 @@ class VLLMEngine:
         self.llm.wake_up(tags=tags)
 
 
+def _worker_placement(worker) -> dict:
+    """Run by collective_rpc in each vLLM worker, a Ray actor either way (the engine itself, or one of vLLM's Ray
+    workers under tensor parallelism, which Ray leaves every GPU of the node visible to): its node and GPU ids."""
+    return {"node": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
+
+
 def _check_resources(kind: str, needed: float, what: str) -> None:
     """Fail in one sentence when Ray lacks `needed` units of `kind`, instead of waiting forever for a placement."""
     available = ray.available_resources().get(kind, 0)
@@ -160,7 +180,8 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     asks for COLOCATED_GPU_SHARE of its GPU (use enable_sleep_mode to hand memory back during training).
     Without one, the engines get a placement group of their own. On CPU, `gpu_memory_utilization` is ignored:
     VLLM_CPU_KVCACHE_SPACE (GiB, default 1) sizes the KV cache, and each engine computes with
-    `cpu_threads_per_engine` threads, by default this machine's cores shared among the engines: the engines generate
+    `cpu_threads_per_engine` threads, by default OMP_NUM_THREADS if set, else this machine's cores shared among
+    the engines: the engines generate
     while the trainers wait, and Ray would otherwise hold each engine to `num_cpus_per_engine` threads (1 by default),
     which made rollouts of a 100M model 1.6x slower on 2 cores. Extra keyword arguments go to `vllm.LLM`.
     """
@@ -184,24 +205,22 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
                             f"{what} need {num_workers}.")
     else:
         gpu_share = 0
+        cpu_share = num_cpus_per_engine * (1.0 if placement_group is None else COLOCATED_GPU_SHARE)
         if placement_group is None:
             _check_resources("CPU", num_engines * num_cpus_per_engine, f"{num_engines} vLLM engine(s) on CPU")
             placement_group = new_placement_group([{"CPU": num_cpus_per_engine}] * num_engines, strategy="PACK")
-    try:
-        ray.get(placement_group.ready(), timeout=120)
-    except ray.exceptions.GetTimeoutError:
-        raise UserError(f"Ray could not place {what} within 120 s; the cluster has {ray.available_resources()} free."
-                        ) from None
+    wait(placement_group.ready(), 120, f"Ray could not place {what}")
 
     engines = []
     for i in range(num_engines):
         first_bundle = i * tensor_parallel_size if use_gpu else i
         tp_bundles = list(range(first_bundle, first_bundle + tensor_parallel_size))
         env_vars = ({"VLLM_RAY_PER_WORKER_GPUS": str(gpu_share)} if use_gpu else
-                    {"OMP_NUM_THREADS": str(cpu_threads_per_engine or max(1, (os.cpu_count() or 1) // num_engines))})
+                    {"OMP_NUM_THREADS": str(cpu_threads_per_engine or int(os.environ.get("OMP_NUM_THREADS", 0))
+                                            or max(1, (os.cpu_count() or 1) // num_engines))})
         actor = ray.remote(VLLMEngine).options(
             # With tensor parallelism the engine actor only drives vLLM's Ray workers, which take the GPUs.
-            num_cpus=0 if use_gpu else num_cpus_per_engine,
+            num_cpus=0 if use_gpu else cpu_share,
             num_gpus=gpu_share if tensor_parallel_size == 1 else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement_group,
@@ -213,5 +232,7 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
         engines.append(actor.remote(
             pretrain_path, seed + i, max_model_len, tensor_parallel_size, gpu_memory_utilization, enforce_eager,
             dtype, enable_sleep_mode, use_gpu, tp_bundles if tensor_parallel_size > 1 else None, llm_kwargs))
-    ray.get([engine.ready.remote() for engine in engines])
+    wait([engine.ready.remote() for engine in engines], ENGINE_START_TIMEOUT_S,
+         f"the vLLM engines ({what}) did not start", "check that Ray has room for them and that the model loads "
+         "(the engine's log in /tmp/ray/session_latest/logs says which), or raise ENGINE_START_TIMEOUT_S")
     return engines

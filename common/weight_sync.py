@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 import ray
 import torch
 
+from common.args import UserError
 from common.net import free_port
 
 # How long a broadcast or the group's rendezvous waits for the other side before failing, instead of hanging.
@@ -53,14 +54,48 @@ def new_process_group(master_address: str, master_port: int, rank: int, world_si
 
 
 # ------------------------------------------------------------------------------------------------------ trainer side
+def plan_transports(trainer: dict, workers: list[dict]) -> list[str]:
+    """How trainer rank 0 reaches each vLLM worker, from where Ray placed them ({"node": id, "gpu_ids": [...]}).
+
+    gloo without GPUs; NCCL between GPUs; CUDA IPC to a worker on the trainer's own GPU, since NCCL refuses two
+    ranks of one group on one device ("Duplicate GPU detected"), which is what --colocate_all makes of trainer
+    rank 0 and vLLM engine 0.
+    """
+    if not trainer["gpu_ids"]:
+        return ["gloo"] * len(workers)
+    own_gpu = (trainer["node"], str(trainer["gpu_ids"][0]))
+    return ["ipc" if (w["node"], str(w["gpu_ids"][0])) == own_gpu else "nccl" for w in workers]
+
+
+def sync_transports(engines: list) -> list[str]:
+    """plan_transports for this process (trainer rank 0) and every worker of `engines`, where Ray placed them."""
+    gpu_ids = [str(i) for i in ray.get_gpu_ids()]  # empty outside a Ray actor, e.g. in a test's driver
+    if not gpu_ids and torch.cuda.is_available():
+        gpu_ids = [str(torch.cuda.current_device())]
+    trainer = {"node": ray.get_runtime_context().get_node_id(), "gpu_ids": gpu_ids}
+    placements = ray.get([engine.placement.remote() for engine in engines], timeout=SYNC_TIMEOUT.total_seconds())
+    return plan_transports(trainer, [worker for engine in placements for worker in engine])
+
+
+def check_transports(transports: list[str]) -> None:
+    """Refuse a layout that needs CUDA IPC (not implemented yet) before NCCL fails on it with a duplicate GPU."""
+    if "ipc" in transports:
+        raise UserError("actor rank 0 and a vLLM worker share a GPU (--colocate_all), which NCCL cannot join in one "
+                        "group and the CUDA IPC weight transfer it needs is not implemented yet; run without "
+                        "--colocate_all, e.g. with --colocate_actor_ref and --colocate_critic_reward.")
+
+
 def init_weight_sync_group(engines: list, master_address: str | None = None, master_port: int | None = None,
                            backend: str | None = None):
     """Build the trainer <-> vLLM group on trainer rank 0 and return the trainer's end of it.
 
-    Call it on trainer rank 0 only. The backend follows the trainer's device (NCCL on GPU, gloo on CPU);
-    the address defaults to this node's IP as Ray sees it, so engines on other nodes can reach it.
+    Call it on trainer rank 0 only. The backend follows where Ray placed the trainer and the engines (NCCL between
+    GPUs, gloo on CPU, see plan_transports); the address defaults to this node's IP as Ray sees it, so engines on
+    other nodes can reach it.
     """
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    transports = sync_transports(engines)
+    check_transports(transports)
+    backend = backend or ("nccl" if "nccl" in transports else "gloo")
     master_address = master_address or ray.util.get_node_ip_address()
     master_port = master_port or free_port()
     tp_sizes = ray.get([engine.tensor_parallel_size.remote() for engine in engines])
@@ -206,10 +241,40 @@ class WeightSyncWorkerExtension:
         if not self._weight_reload_open:
             return 0.0
         start = time.perf_counter()
+        model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+            finalize_layerwise_reload(model, self.model_config)
+            reprocess_tied_layers(model)
         self._weight_reload_open = False
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
         return time.perf_counter() - start
+
+
+def reprocess_tied_layers(model) -> int:
+    """Rebuild what vLLM derives from a weight for every layer that shares its weight with another layer; returns
+    how many layers were rebuilt.
+
+    With tied embeddings (tie_word_embeddings: true), vLLM's lm_head holds the very Parameter of embed_tokens, and a
+    checkpoint names the matrix once, as model.embed_tokens.weight. A layerwise reload copies the new matrix into
+    that shared storage through embed_tokens and processes embed_tokens only; lm_head gets no weight, so vLLM puts
+    its old tensors back and skips its processing. On CPU that processing packs the weight into a separate copy for
+    the GEMM kernel (oneDNN or sgl, `layer.cpu_linear`): lm_head kept computing logits from the matrix of the first
+    load, and vllm/logprob_diff grew after every sync. Only unquantized embedding layers are rebuilt: their
+    processing reads the current weight and can run any number of times, which a quantizing method's cannot.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    sharers: dict[int, list] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")  # the module's own weight, not a child's
+        if weight is not None:
+            sharers.setdefault(id(weight), []).append(module)
+    rebuilt = 0
+    for modules in sharers.values():
+        for module in modules if len(modules) > 1 else []:
+            if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
+                module.quant_method.process_weights_after_loading(module)
+                rebuilt += 1
+    return rebuilt

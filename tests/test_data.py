@@ -146,3 +146,32 @@ def test_args_docstrings_become_help_and_booleans_parse():
     assert "peak learning rate" in build_parser(_Args).format_help()
     assert parse_args(_Args, ["--packing"]).packing is True
     assert parse_args(_Args, ["--packing", "false", "--lr", "3e-4", "--local_rank=1"]) == _Args(3e-4, False, None)
+
+
+def test_reward_model_rows_end_at_the_response_eos_with_chatml():
+    """ChatML writes "<|im_end|>\\n" after every turn: the reward model's row ends at the response's <|im_end|>,
+    where the policy stops generating, not at the newline or at an earlier assistant turn's <|im_end|>."""
+    from common.tiny_model import build_tokenizer
+
+    chatml = build_tokenizer(chat_format="chatml")
+    conversation = [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"},
+                    {"role": "user", "content": "And 2+2?"}]
+    ids = data.reward_model_input_ids(chatml, conversation, "4", max_len=128, apply_chat_template=True)
+    assert chatml.decode(ids) == chatml.apply_chat_template(
+        conversation + [{"role": "assistant", "content": "4"}], tokenize=False).removesuffix("\n")
+    cut = data.reward_model_input_ids(chatml, "What is 1+1?", "2" * 40, max_len=16, apply_chat_template=True)
+    assert len(cut) == 16 and cut[-1] == chatml.eos_token_id  # truncated: the EOS is put back at the end
+    (pair,) = data.build_preference_samples([{"prompt": conversation, "chosen": "4", "rejected": "5"}], chatml, "t",
+                                            "prompt", "chosen", "rejected", 128, apply_chat_template=True)
+    assert chatml.decode(pair["chosen"]["input_ids"]).endswith("<|im_end|>\n"), "DPO keeps the template's rows"
+
+
+def test_stream_indices_walk_every_sample_once_per_pass_and_can_be_recomputed():
+    first_pass = data.stream_indices(10, 10, seed=1, start=0)
+    assert sorted(first_pass) == list(range(10))
+    pieces = data.stream_indices(10, 4, seed=1, start=0) + data.stream_indices(10, 6, seed=1, start=4)
+    assert pieces == first_pass  # any stretch of the stream is the same, however it is asked for
+    second_pass = data.stream_indices(10, 10, seed=1, start=10)
+    assert sorted(second_pass) == list(range(10)) and second_pass != first_pass
+    assert data.stream_indices(10, 10, seed=2, start=0) != first_pass
+    assert data.stream_indices(3, 7, seed=0, start=0)[:3] == data.stream_indices(3, 3, seed=0, start=0)

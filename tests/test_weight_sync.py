@@ -1,7 +1,9 @@
 """Check that weights broadcast from a trainer-side HF model make a live vLLM engine (Ray actor) generate like it.
 
-Runs the real stack on CPU: Ray, one vLLM engine, a gloo weight-sync group. One engine serves the whole module
-(starting one costs ~20 s and its first generate ~12 s). A last test gathers a 2-rank ZeRO-3 model with
+Runs the real stack on CPU: Ray, one vLLM engine, a gloo weight-sync group. One engine serves all tests of a model
+variant (starting one costs ~20 s and its first generate ~12 s), and every test runs on two variants that differ
+where real models differ: the project's default tiny Llama (untied embeddings, no biases) and a Qwen2 with tied
+input/output embeddings and q/k/v biases, as Qwen2.5-0.5B ships. A last test gathers a 2-rank ZeRO-3 model with
 iter_gathered_params, the trainer-side source of the weights.
 """
 
@@ -18,25 +20,33 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import UserError
-from common.vllm_engine import create_vllm_engines
 from common.net import free_port
+from common.tiny_model import write_tiny_model
+from common.vllm_engine import create_vllm_engines
 from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
+
+pytestmark = pytest.mark.slow
 
 MAX_NEW_TOKENS = 12
 TEXTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9.", "What is 40+41?", "Add 19 and 2."]
+# vLLM's float32 log-probs of the tokens it sampled against the trainer's, mean |difference| (vllm/logprob_diff in
+# ppo_ray.py): float rounding gives ~1e-6 on the tiny models; a stale tensor gives 1e-3 and more.
+ROUNDING_LEVEL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model):
-    """Ray with 2 CPUs, one float32 vLLM engine on the tiny model, and the weight-sync group."""
+@pytest.fixture(scope="module", params=["llama", "qwen2_tied"])
+def stack(request, tiny_model, tmp_path_factory):
+    """Ray with 2 CPUs, one float32 vLLM engine on a tiny model variant, and the weight-sync group."""
+    path = tiny_model if request.param == "llama" else write_tiny_model(
+        str(tmp_path_factory.mktemp("qwen2_tied")), seed=0, architecture="qwen2", tie_word_embeddings=True)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        engines = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain_path=tiny_model, seed=0,
+        engines = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain_path=path, seed=0,
                                       max_model_len=256, enforce_eager=True, dtype="float32")
         group = init_weight_sync_group(engines)
-        tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+        tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
-        yield {"path": tiny_model, "engines": engines, "group": group, "prompts": prompts}
+        yield {"path": path, "engines": engines, "group": group, "prompts": prompts}
     finally:
         ray.shutdown()
 
@@ -94,6 +104,41 @@ def test_synced_engine_generates_like_the_trainer(stack):
     for prompt, toks, lps in zip(prompts, tokens, logprobs):
         reference = hf_logprobs(model, prompt, toks)
         assert (torch.tensor(lps) - reference).abs().mean() < 1e-3
+
+
+def logprob_diff(engine, prompts, model) -> float:
+    """vllm/logprob_diff as ppo_ray.py logs it: mean |vLLM - trainer| log-prob over the tokens vLLM generated."""
+    tokens, logprobs = vllm_greedy(engine, prompts)
+    diffs = [(torch.tensor(lps) - hf_logprobs(model, prompt, toks)).abs()
+             for prompt, toks, lps in zip(prompts, tokens, logprobs)]
+    return torch.cat(diffs).mean().item()
+
+
+def test_logprobs_stay_at_rounding_level_over_many_syncs(stack):
+    """A training run syncs after every step: the engine must follow the trainer every time, not only the first
+    (with tied embeddings the first sync looked right and the output layer then drifted from sync to sync)."""
+    engine, group, prompts = stack["engines"][0], stack["group"], stack["prompts"]
+    base = trained_model(stack["path"], steps=0, seed=0)
+    tied = base.config.tie_word_embeddings
+    assert tied == ("qwen2" in base.config.model_type), "the fixture lost the variant it exists to test"
+    diffs = []
+    for sync in range(1, 5):
+        model = trained_model(stack["path"], steps=4 * sync, seed=sync)
+        broadcast_weights_to_vllm(iter_gathered_params(model), [engine], group)
+        diffs.append(logprob_diff(engine, prompts, model))
+    assert max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer, sync after sync: {diffs}"
+
+
+def test_logprob_diff_catches_a_tensor_the_sync_skipped(stack):
+    """The check above would catch a stale tensor: leave one matrix out of a sync and the metric leaves float
+    rounding far behind."""
+    engine, group, prompts = stack["engines"][0], stack["group"], stack["prompts"]
+    model = trained_model(stack["path"], steps=20, seed=5)
+    skipped = "model.layers.0.mlp.down_proj.weight"
+    broadcast_weights_to_vllm(((n, t) for n, t in iter_gathered_params(model) if n != skipped), [engine], group)
+    assert logprob_diff(engine, prompts, model) > 10 * ROUNDING_LEVEL
+    broadcast_weights_to_vllm(iter_gathered_params(model), [engine], group)
+    assert logprob_diff(engine, prompts, model) < ROUNDING_LEVEL
 
 
 def test_small_buckets_give_the_same_weights_as_one_bucket(stack):

@@ -1,0 +1,111 @@
+"""ppo_ray.py's workers on one CPU process, with a plain model standing in for the DeepSpeed engine: which
+pretraining (ptx) rows the actor trains on, and on which scale the critic starts."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import ppo_ray
+from common import data
+
+PAD_COLLATE = data.pad_collate  # the real one, which the ptx test wraps
+
+
+class FakeEngine:
+    """The part of a DeepSpeed engine the workers use, around a plain model: forward, backward, step, lr."""
+
+    def __init__(self, model):
+        self.module = model
+
+    def __call__(self, **kwargs):
+        return self.module(**kwargs)
+
+    def train(self):
+        self.module.train()
+
+    def eval(self):
+        self.module.eval()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.module.zero_grad()
+
+    def get_lr(self):
+        return [0.0]
+
+
+def worker(cls, args, engine, tokenizer, rank=0, world_size=1):
+    """A worker object as its Ray actor holds it after setup(), without Ray or DeepSpeed."""
+    w = object.__new__(cls)
+    w.args, w.engine, w.tokenizer, w.rank, w.world_size, w.ptx = args, engine, tokenizer, rank, world_size, None
+    return w
+
+
+def experience_batch(tokenizer, lengths: list[int]) -> dict:
+    """One prompt token and responses of the given lengths (each ended by EOS), as ppo_ray.build_batch lays them."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    samples = [[{"token_ids": [40 + i] * (n - 1) + [eos], "logprobs": None}] for i, n in enumerate(lengths)]
+    batch = ppo_ray.build_batch([[bos]] * len(lengths), samples, eos, tokenizer.pad_token_id)
+    zeros = torch.zeros_like(batch["action_mask"])
+    return {**batch, "old_logprobs": zeros, "ref_logprobs": zeros, "advantages": zeros + 1, "values": zeros,
+            "returns": zeros}
+
+
+# ------------------------------------------------------------------------------------------------------- ptx
+def ptx_rows_drawn(policy, ptx, experience, step, monkeypatch) -> list[int]:
+    """The ptx rows (their indices) one fit() of the actor trains on at `step`."""
+    drawn = []
+
+    def recording(samples, *args, **kwargs):
+        drawn.extend(next(i for i, row in enumerate(ptx) if row is s) for s in samples)
+        return PAD_COLLATE(samples, *args, **kwargs)
+
+    monkeypatch.setattr(data, "pad_collate", recording)
+    policy.fit(experience, 0.0, step)
+    return drawn
+
+
+def test_ptx_rows_walk_the_whole_set_across_steps_and_ranks_and_resume(tiny_model, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    engine = FakeEngine(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    args = ppo_ray.Args(micro_train_batch_size=2, max_epochs=1, advantage_estimator="rloo", ptx_coef=0.05, seed=3)
+    ptx = [{"input_ids": [tokenizer.bos_token_id, 10 + i, tokenizer.eos_token_id], "loss_mask": [0, 1, 1]}
+           for i in range(24)]
+    experience = experience_batch(tokenizer, [3, 2, 4, 3])  # 2 micro-batches of 2 rows per fit
+    ranks = [worker(ppo_ray.PolicyWorker, args, engine, tokenizer, rank, world_size=2) for rank in range(2)]
+    for policy in ranks:
+        policy.set_ptx_data(ptx)
+
+    # 2 ranks x 2 micro-batches x 2 rows = 8 rows a step: three steps make one pass over the 24 rows.
+    drawn = {(step, rank): ptx_rows_drawn(policy, ptx, experience, step, monkeypatch)
+             for step in range(3) for rank, policy in enumerate(ranks)}
+    one_pass = [i for rows in drawn.values() for i in rows]
+    assert sorted(one_pass) == list(range(24)), f"rows repeated before the set was used up: {drawn}"
+
+    resumed = worker(ppo_ray.PolicyWorker, args, engine, tokenizer, rank=1, world_size=2)
+    resumed.set_ptx_data(ptx)
+    assert ptx_rows_drawn(resumed, ptx, experience, 1, monkeypatch) == drawn[(1, 1)]
+    next_pass = ptx_rows_drawn(ranks[0], ptx, experience, 3, monkeypatch)
+    assert next_pass != drawn[(0, 0)], "the second pass repeats the first pass's order"
+
+
+# ---------------------------------------------------------------------------------------------------- critic
+def test_critic_from_reward_model_starts_on_the_normalised_reward_scale(tiny_model):
+    """At step 0 a critic initialised from the reward model values a finished sequence at its normalised score,
+    the scale of the rewards PPO trains on (rm.py stores the mean and std)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32)
+    rm.config.reward_mean, rm.config.reward_std = 0.7, 2.5
+    args = ppo_ray.Args(micro_train_batch_size=4, normalize_reward=True)
+    critic = worker(ppo_ray.CriticWorker, args, FakeEngine(rm), tokenizer)
+    batch = experience_batch(tokenizer, [3, 6])  # row 0 is shorter, so its last token has a value in the batch
+
+    scores = critic.scores(batch)  # (batch,), normalised
+    values = critic.values(batch)  # (batch, seq - 1): entry t is the value of the sequence up to token t
+    last = int(batch["attention_mask"][0].sum()) - 1  # row 0's EOS
+    raw_score = (scores[0] * 2.5 + 0.7).item()
+    assert abs(scores[0].item() - raw_score) > 0.1, "mean and std leave the score unchanged: no test"
+    assert values[0, last].item() == pytest.approx(scores[0].item(), abs=1e-5)

@@ -1,0 +1,104 @@
+"""The reward model is read at the same token sequence where it is trained (rm.py) and where it is used
+(ppo_ray.py, rejection_sampling.py), whatever the chat template writes after its end-of-turn token.
+
+ChatML (Qwen's template) writes "<|im_end|>\\n" after every turn; training rows used to end "<|im_end|> \\n <|im_end|>"
+while PPO scored rows ending at the generated <|im_end|>, so the score was read in a context the model never saw
+in training. Each test renders one prompt and response the way each script does and compares the token ids whose
+last position the reward model reads.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import ppo_ray
+import rejection_sampling
+import rm
+from common import rewards
+from common.tiny_model import write_tiny_model
+
+PROMPT, RESPONSE, OTHER = "What is 3+4?", "7", "8"
+
+
+@pytest.fixture(scope="module", params=["chatml", "default"])
+def reward_model(request, tmp_path_factory) -> str:
+    """A reward model folder (a fresh score head on a tiny model) whose tokenizer has the chat format asked for."""
+    out = str(tmp_path_factory.mktemp(f"rm_{request.param}"))
+    write_tiny_model(out, seed=0, chat_format=request.param, hidden_size=64, num_layers=1, num_heads=2,
+                     num_kv_heads=1)
+    model = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)
+    model.save_pretrained(out)
+    return out
+
+
+def read_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """The tokens of each row that the reward model reads (its score is taken at the last of them)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+
+
+def rm_training_sequence(path, tmp_path, apply_chat_template) -> list[int]:
+    """What rm.py trains and evaluates on: its own loading and collation of a pair."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    dataset = tmp_path / "pairs.jsonl"
+    dataset.write_text(json.dumps({"prompt": PROMPT, "chosen": RESPONSE, "rejected": OTHER}) + "\n")
+    args = rm.Args(pretrain=path, dataset=str(dataset), apply_chat_template=apply_chat_template,
+                   input_template=None if apply_chat_template else "Q: {} A: ", max_len=64)
+    samples = rm.load_pairs(args, tokenizer, str(dataset), "train", log=lambda msg: None)
+    batch = rm.collate(samples, tokenizer, "cpu")  # chosen rows first
+    return read_sequences(batch["input_ids"], batch["attention_mask"])[0]
+
+
+def ppo_sequence(path, tmp_path, apply_chat_template) -> list[int]:
+    """What ppo_ray.py's reward workers read: the prompt as it is sent to vLLM, the generated tokens and EOS."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    args = ppo_ray.Args(pretrain=path, apply_chat_template=apply_chat_template,
+                        input_template=None if apply_chat_template else "Q: {} A: ")
+    prompt = ppo_ray.load_prompts(args, tokenizer, str(prompts), "train")[0]
+    generated = tokenizer(RESPONSE, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # vLLM stops here
+    batch = ppo_ray.build_batch([prompt["ids"]], [[{"token_ids": generated, "logprobs": None}]],
+                                tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return read_sequences(batch["rm_input_ids"], batch["rm_attention_mask"])[0]
+
+
+def rejection_sampling_sequence(path, monkeypatch, apply_chat_template) -> list[int]:
+    """What rejection_sampling.py's scoring feeds the reward model, caught at the call that reads the score."""
+    seen = []
+
+    def recording(model, input_ids, attention_mask, normalize=False):
+        seen.extend(read_sequences(input_ids, attention_mask))
+        return torch.zeros(len(input_ids))
+
+    monkeypatch.setattr(rewards, "sequence_rewards", recording)
+    args = rejection_sampling.Args(pretrain=path, reward_pretrain=[path], apply_chat_template=apply_chat_template,
+                                   input_template=None if apply_chat_template else "Q: {} A: ",
+                                   n_samples_per_prompt=1)
+    rejection_sampling.score(args, [PROMPT], [None], [[RESPONSE]], None, "score")
+    return seen[0]
+
+
+@pytest.mark.parametrize("apply_chat_template", [True, False])
+def test_reward_is_read_at_the_same_tokens_in_training_and_use(reward_model, tmp_path, monkeypatch,
+                                                               apply_chat_template):
+    tokenizer = AutoTokenizer.from_pretrained(reward_model)
+    trained = rm_training_sequence(reward_model, tmp_path, apply_chat_template)
+    assert trained[-1] == tokenizer.eos_token_id
+    # One EOS ends the response; a chat template also ends the user's turn with it.
+    assert trained.count(tokenizer.eos_token_id) == (2 if apply_chat_template else 1), tokenizer.decode(trained)
+    assert ppo_sequence(reward_model, tmp_path, apply_chat_template) == trained, tokenizer.decode(trained)
+    assert rejection_sampling_sequence(reward_model, monkeypatch, apply_chat_template) == trained
+
+
+def test_rm_offers_no_loss_choice_that_is_not_one(capsys):
+    """OpenRLHF's logexp loss log(1 + exp(-d)) is -log sigmoid(d), rm.py's only loss: a flag choosing between the
+    two names would promise a difference that does not exist."""
+    from common.args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(rm.Args, ["--loss", "logexp"])
+    assert "--loss" in capsys.readouterr().err
+    d = torch.linspace(-30, 30, 61)
+    torch.testing.assert_close(rm.pairwise_loss(d, torch.zeros_like(d)), torch.log1p(torch.exp(-d)))

@@ -1,0 +1,55 @@
+"""--weight_decay under ZeRO-3: the optimizer's decayed group must hold the weight matrices, on 1 and 2 ranks.
+
+Under ZeRO-3 a partitioned parameter's `.data` is an empty 1-D tensor, so a "matrices decay, vectors do not" rule
+that reads p.ndim sent every weight to the undecayed group and --weight_decay did nothing. Each rank builds a real
+training engine (common.deepspeed_utils.init_train_engine) and reports which parameters the wrapped optimizer
+decays.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from common.net import free_port
+
+WEIGHT_DECAY = 0.1
+
+
+def _report_groups(rank: int, world_size: int, port: int, path: str, out: str):
+    """One ZeRO-3 rank: load the tiny model partitioned, build the training engine, save {name: weight decay}."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    from common.deepspeed_utils import ds_config, init_distributed, init_train_engine, load_model
+
+    init_distributed()
+    config = ds_config(stage=3, train_batch_size=world_size, micro_batch_size=1, world_size=world_size)
+    model = load_model(path, config)
+    engine = init_train_engine(model, config, lr=1e-3, weight_decay=WEIGHT_DECAY, total_steps=10, warmup_ratio=0,
+                               min_lr_ratio=0.1)
+    zero = engine.optimizer  # DeepSpeed's ZeRO-3 optimizer; its sub-groups point back to the torch optimizer's groups
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    decay = {}
+    for index, sub_group in enumerate(zero.fp16_groups):
+        group = zero.optimizer.param_groups[zero.sub_group_to_group_id[index]]
+        for p in sub_group:
+            decay[names[id(p)]] = (group["weight_decay"], list(p.ds_shape), p.ds_tensor.numel() < p.ds_numel)
+    if rank == 0:
+        torch.save(decay, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_zero3_optimizer_decays_the_matrices(tiny_model, tmp_path, world_size):
+    out = str(tmp_path / "groups.pt")
+    mp.spawn(_report_groups, args=(world_size, free_port(), tiny_model, out), nprocs=world_size, join=True)
+    decay = torch.load(out)
+    matrices = {name for name, (_, shape, _) in decay.items() if len(shape) == 2}
+    assert len(matrices) > 10, f"the tiny model should have many matrices, found {sorted(matrices)}"
+    if world_size == 2:
+        assert any(partitioned for *_, partitioned in decay.values()), "ZeRO-3 partitioned nothing: no test"
+    wrong = {name: wd for name, (wd, shape, _) in decay.items()
+             if wd != (WEIGHT_DECAY if name in matrices and "norm" not in name else 0.0)}
+    assert not wrong, f"parameters in the wrong weight-decay group: {wrong}"
