@@ -294,7 +294,7 @@ def main(args: Args):
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['rewards/accuracies']:.2f}")
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank, local_rank,
+            checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank,
                                         args.keep_last_checkpoints)
     bar.close()
 

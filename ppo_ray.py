@@ -24,7 +24,8 @@ Implementation details, where they happen below:
   - old log-probs are recomputed by the trainer, not taken from vLLM; the mean absolute difference between the two
     is logged as `vllm/logprob_diff` and shows at once when the weight sync is wrong;
   - policy ratio clipping and value clipping (PPO), optional entropy bonus and pretraining (ptx) loss;
-  - reward normalisation with the mean/std rm.py stores, then clipping; advantage whitening;
+  - reward normalisation with the mean/std rm.py stores, then clipping; a critic initialised from a reward model
+    gives values on the same normalised scale; advantage whitening for gae and reinforce++ only (as OpenRLHF);
   - checkpoints hold every trained role, the data position and the KL controller; each role is saved first and
     the driver's state file, written last, commits the step, so a run killed at any moment resumes cleanly.
 """
@@ -32,7 +33,6 @@ Implementation details, where they happen below:
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -40,16 +40,18 @@ from typing import Literal
 import ray
 import torch
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, ROOT)
+from common import memory_plan, rewards
+from common import ppo_tricks as tricks
+from common.args import UserError, check_model_path, parse_args, run_main
+from common.data import DataError, get_key, load_records, render_prompt
+from common.logging_utils import MetricsLogger, progress
+from common.ray_workers import (RayWorker, WorkerGroup, check_bundle_shares, check_resources, make_placement_group,
+                                use_gpus, wait)
+from common.vllm_engine import create_vllm_engines
+from common.weight_sync import SYNC_TIMEOUT
 
-from common import ppo_tricks as tricks  # noqa: E402
-from common import rewards  # noqa: E402
-from common.args import UserError, check_model_path, parse_args, run_main  # noqa: E402
-from common.data import DataError, get_key, load_records, render_prompt  # noqa: E402
-from common.logging_utils import MetricsLogger, progress  # noqa: E402
-from common.ray_workers import RayWorker, WorkerGroup, check_resources, make_placement_group, use_gpus  # noqa: E402
-from common.vllm_engine import create_vllm_engines  # noqa: E402
+# The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -113,6 +115,10 @@ class Args:
     """CPUs for each worker and engine on a machine without GPUs"""
     vllm_gpu_memory_utilization: float = 0.85
     """share of each GPU vLLM may take for weights and KV cache (lower it when models share the GPUs)"""
+    gpu_memory_gib: float = 80.0
+    """memory of each GPU, for the memory plan checked before a start on GPUs (A100/H100 80 GB: 80)"""
+    dry_run: bool = False
+    """print this layout's memory plan per GPU from the models' config.json, refuse it if it cannot fit, and exit"""
     # --- training
     seed: int = 42
     """random seed"""
@@ -131,7 +137,10 @@ class Args:
     train_batch_size: int = 32
     """responses per optimizer step, across the actor's ranks"""
     micro_train_batch_size: int = 8
-    """responses per forward pass on one rank"""
+    """responses per forward and backward pass on one rank in training"""
+    micro_rollout_batch_size: int | None = None
+    """responses per forward pass on one rank when making experience: log-probs, values, scores, which need no
+    gradients and fit more (default: --micro_train_batch_size)"""
     max_epochs: int = 1
     """passes over each rollout's experience"""
     max_steps: int = 100
@@ -218,21 +227,28 @@ def value_loss(values, old_values, returns, mask, value_clip):
     return tricks.masked_mean(loss, mask)
 
 
-def compute_advantages(args, scores, logprobs, ref_logprobs, values, mask, kl_coef):
-    """Advantages and returns for the chosen estimator; scores (batch,), everything else (batch, seq)."""
+def compute_advantages(args, scores, kl, values, mask, kl_coef):
+    """Advantages and returns for the chosen estimator; scores (batch,), everything else (batch, seq).
+
+    `kl` is the per-token KL estimate of the reward penalty. As in OpenRLHF, only gae and reinforce++ whiten their
+    advantages over the batch: grpo's and rloo's are already centred within each prompt's group, and whitening
+    rloo's token returns (mean removed over all tokens) would bring back a baseline that depends on the response's
+    length, which undoes the leave-one-out estimator's unbiasedness (Ahmadian et al. 2024).
+    """
     if args.advantage_estimator == "grpo":  # KL goes into the loss instead (see PolicyWorker.fit)
         group = tricks.group_advantages(scores, args.n_samples_per_prompt, "grpo")
         advantages = group[:, None] * mask
         return advantages, advantages
     if args.advantage_estimator == "rloo":
         scores = tricks.group_advantages(scores, args.n_samples_per_prompt, "rloo")
-    token_rewards, _ = tricks.compute_token_rewards(scores, logprobs, ref_logprobs, mask, kl_coef,
-                                                    args.kl_estimator)
+    token_rewards = tricks.compute_token_rewards(scores, kl, mask, kl_coef)
     if args.advantage_estimator == "gae":
         advantages, returns = tricks.compute_gae(token_rewards, values, mask, args.gamma, args.lambd)
     else:
         returns = tricks.compute_returns(token_rewards, mask, args.gamma)
         advantages = returns
+    if args.advantage_estimator == "rloo":
+        return advantages, returns
     return tricks.masked_whiten(advantages, mask), returns
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
@@ -242,8 +258,13 @@ class PolicyWorker(RayWorker):
     """One DeepSpeed rank of the actor (trained) or of the reference model (frozen)."""
 
     def setup(self, args: Args, path: str, trainable: bool, total_steps: int):
-        from common.deepspeed_utils import (init_distributed, init_eval_engine, init_train_engine, load_model,
-                                            load_tokenizer)
+        from common.deepspeed_utils import (
+            init_distributed,
+            init_eval_engine,
+            init_train_engine,
+            load_model,
+            load_tokenizer,
+        )
 
         self.args, self.trainable = args, trainable
         self.rank, self.world_size, self.local_rank = init_distributed()
@@ -265,24 +286,43 @@ class PolicyWorker(RayWorker):
                              position_ids=batch["position_ids"], use_cache=False).logits[:, :-1]
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
         logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])  # (batch, seq - 1)
-        return (logprobs, entropy_from_logits(logits)) if with_entropy else logprobs
+        if not with_entropy:
+            return logprobs
+        # At --entropy_coef 0 the entropy is only logged: with grad, autograd would keep its two fp32
+        # (batch, seq, vocab) intermediates until backward (GBs at a 128k vocabulary) and differentiate through them.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.args.entropy_coef != 0):
+            return logprobs, entropy_from_logits(logits)  # (batch, seq - 1) each
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
         self.engine.eval()
         width = batch["action_mask"].shape[1]
         return torch.cat([pad_right(self._logprobs(mb), width)
-                          for mb in split(batch, self.args.micro_train_batch_size)]).cpu()
+                          for mb in split(batch, micro_rollout(self.args))]).cpu()
 
     def set_ptx_data(self, samples: list[dict]):
         self.ptx = samples
 
-    def fit(self, experience: dict, kl_coef: float) -> dict:
-        """The PPO policy update on this rank's share of the experience, for --max_epochs passes."""
+    def _ptx_rows(self, draw: int) -> list[dict]:
+        """The pretraining rows of this rank's `draw`-th micro-batch of the run.
+
+        All ranks read one stream over the whole ptx set, shuffled anew each pass by --seed, taking turns: every
+        step and every rank trains on rows no other has had in this pass, and a resumed run, which passes the same
+        step numbers, goes on with the rows it would have had.
+        """
+        from common.data import stream_indices
+
+        size = self.args.micro_train_batch_size
+        start = (draw * self.world_size + self.rank) * size
+        return [self.ptx[i] for i in stream_indices(len(self.ptx), min(size, len(self.ptx)), self.args.seed, start)]
+
+    def fit(self, experience: dict, kl_coef: float, step: int) -> dict:
+        """The PPO policy update on this rank's share of the experience, for --max_epochs passes, at PPO `step`."""
         from common.data import pad_collate
         from common.modeling import token_logprobs
 
         args, stats = self.args, []
+        micro_batches_per_step = args.max_epochs * -(-len(experience["input_ids"]) // args.micro_train_batch_size)
         self.engine.train()
         for epoch in range(args.max_epochs):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
@@ -296,7 +336,7 @@ class PolicyWorker(RayWorker):
                 mean_entropy = tricks.masked_mean(entropy, mask)
                 loss = loss - args.entropy_coef * mean_entropy
                 if self.ptx:  # InstructGPT's PPO-ptx: keep the pretraining distribution's likelihood up
-                    picked = random.Random(len(stats)).sample(self.ptx, min(len(self.ptx), len(mask)))
+                    picked = self._ptx_rows(step * micro_batches_per_step + len(stats))
                     ptx = pad_collate(picked, self.tokenizer.pad_token_id)
                     ptx = {k: v.to(mask.device) for k, v in ptx.items()}
                     ptx_logits = self.engine(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
@@ -333,7 +373,7 @@ class PolicyWorker(RayWorker):
     def save_state(self, ckpt_dir: str, step: int) -> None:
         from common.checkpoint import save_train_state
 
-        save_train_state({"model": self.engine}, ckpt_dir, step, {"step": step}, self.rank, self.local_rank,
+        save_train_state({"model": self.engine}, ckpt_dir, step, {"step": step}, self.rank,
                          self.args.keep_last_checkpoints)
 
     def load_state(self, ckpt_dir: str, step: int) -> None:
@@ -348,8 +388,13 @@ class CriticWorker(PolicyWorker):
     def setup(self, args: Args, path: str, trainable: bool, total_steps: int):
         from transformers import AutoModelForSequenceClassification
 
-        from common.deepspeed_utils import (init_distributed, init_eval_engine, init_train_engine, load_model,
-                                            load_tokenizer)
+        from common.deepspeed_utils import (
+            init_distributed,
+            init_eval_engine,
+            init_train_engine,
+            load_model,
+            load_tokenizer,
+        )
 
         self.args, self.trainable = args, trainable
         self.rank, self.world_size, self.local_rank = init_distributed()
@@ -365,6 +410,11 @@ class CriticWorker(PolicyWorker):
         else:
             self.engine = init_eval_engine(model, config)
 
+    def _normalizes(self) -> bool:
+        """Whether scores and values are put on the normalised reward scale: a model rm.py saved carries its
+        reward mean and std; a critic given a fresh head (from --pretrain) has none and learns the scale itself."""
+        return self.args.normalize_reward and rewards.reward_model_normalizes(self.engine.module)
+
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
         """Critic values for predicting each next token, (batch, seq - 1), aligned with the log-probs."""
@@ -372,8 +422,9 @@ class CriticWorker(PolicyWorker):
 
         self.engine.eval()
         width = batch["action_mask"].shape[1]
-        return torch.cat([pad_right(token_values(self.engine, mb["input_ids"], mb["attention_mask"])[:, :-1], width)
-                          for mb in split(batch, self.args.micro_train_batch_size)]).cpu()
+        return torch.cat([pad_right(token_values(self.engine, mb["input_ids"], mb["attention_mask"],
+                                                 self._normalizes())[:, :-1], width)
+                          for mb in split(batch, micro_rollout(self.args))]).cpu()
 
     @torch.no_grad()
     def scores(self, batch: dict) -> torch.Tensor:
@@ -381,9 +432,9 @@ class CriticWorker(PolicyWorker):
         from common.modeling import sequence_rewards
 
         self.engine.eval()
-        normalize = self.args.normalize_reward and hasattr(self.engine.module.config, "reward_mean")
-        return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"], normalize)
-                          for mb in split(batch, self.args.micro_train_batch_size)]).cpu()
+        return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"],
+                                           self._normalizes())
+                          for mb in split(batch, micro_rollout(self.args))]).cpu()
 
     def fit(self, experience: dict, kl_coef: float = 0.0) -> dict:
         from common.modeling import token_values
@@ -392,7 +443,7 @@ class CriticWorker(PolicyWorker):
         self.engine.train()
         for epoch in range(args.max_epochs):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
-                values = token_values(self.engine, mb["input_ids"], mb["attention_mask"])[:, :-1]
+                values = token_values(self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes())[:, :-1]
                 loss = value_loss(values, mb["values"], mb["returns"], mb["action_mask"], args.value_clip)
                 self.engine.backward(loss)
                 self.engine.step()
@@ -407,8 +458,13 @@ def train_or_eval_config(args: Args, world_size: int, trainable: bool) -> dict:
     if trainable:
         return ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                          args.grad_clip, args.offload_optimizer)
-    return ds_config(3, args.micro_train_batch_size * world_size, args.micro_train_batch_size, world_size,
+    return ds_config(3, micro_rollout(args) * world_size, micro_rollout(args), world_size,
                      offload_params=args.ref_offload, train=False)
+
+
+def micro_rollout(args: Args) -> int:
+    """Rows per forward pass of the experience phase (--micro_rollout_batch_size, else --micro_train_batch_size)."""
+    return args.micro_rollout_batch_size or args.micro_train_batch_size
 
 
 def pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -535,7 +591,7 @@ def wait_for(refs: list, engines: list, what: str) -> list:
 def score(args, groups, reward_fn, batch, prompts, responses, labels) -> tuple[torch.Tensor, dict]:
     """The summed reward of every sequence (batch,), from reward models, the rule function and the remote RM."""
     total, metrics = torch.zeros(len(responses)), {}
-    micro = args.micro_train_batch_size
+    micro = micro_rollout(args)
     refs = [g.call_sharded("scores", shard(batch, len(g), micro)) for g in groups]
     weights = iter(args.reward_weights or [1.0] * (len(groups) + bool(reward_fn) + bool(args.remote_rm_url)))
     for i, parts in enumerate(refs):
@@ -590,7 +646,7 @@ def check_args(args: Args) -> None:
     if rollout % args.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {rollout} responses must be a multiple "
                         f"of --train_batch_size {args.train_batch_size}.")
-    for role in ("actor", "critic", "ref", "reward"):
+    for role in ("actor", "critic"):
         workers = getattr(args, f"{role}_num_workers")
         if rollout % (workers * args.micro_train_batch_size):
             raise UserError(f"{rollout} responses per step do not split into {workers} {role} worker(s) x "
@@ -612,7 +668,9 @@ def start_ray(args: Args) -> None:
     else:
         # On a machine without GPUs the roles share the cores: Ray's CPU count is a budget, not a pinning.
         num_cpus = None if torch.cuda.is_available() else max(os.cpu_count() or 1, 16)
-        ray.init(num_cpus=num_cpus, runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=False)
+        # "local": a Ray of this run's own, even when another Ray instance runs on this machine.
+        ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, include_dashboard=False,
+                 log_to_driver=False)
 
 
 def place_roles(args: Args, total_actor_steps: int) -> dict:
@@ -630,33 +688,65 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
     check_resources({k: v * (1 if use_gpus() else cpus) for k, v in gpu_layout.items() if v})
     if args.colocate_all and args.vllm_num_engines * args.vllm_tensor_parallel_size != args.actor_num_workers:
         raise UserError("--colocate_all needs vllm_num_engines x vllm_tensor_parallel_size == actor_num_workers.")
+    shares = role_shares(args)
+    check_colocation(args, shares)
 
     shared = make_placement_group(args.actor_num_workers, cpus, "actor") if args.colocate_all else None
-    actor_pg = shared or make_placement_group(args.actor_num_workers, cpus, "actor")
-    share = 0.2 if args.colocate_all else (0.5 if args.colocate_actor_ref else 1.0)
-    roles = {"actor": WorkerGroup(PolicyWorker, actor_pg, share, cpus, (args, args.pretrain, True, total_actor_steps))}
-    ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
-        args.ref_num_workers, cpus, "reference")
-    if args.init_kl_coef > 0 or args.advantage_estimator == "grpo":
-        roles["ref"] = WorkerGroup(PolicyWorker, ref_pg, share, cpus, (args, args.pretrain, False, 0))
-    critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
-    if use_critic:
-        roles["critic"] = WorkerGroup(CriticWorker, critic_pg, 0.5 if args.colocate_critic_reward else share, cpus,
-                                      (args, critic_path, True, total_actor_steps))
-    roles["rewards"] = []
-    for path in reward_paths:
-        pg = critic_pg if (args.colocate_critic_reward and critic_pg) else (
-            shared or make_placement_group(args.reward_num_workers, cpus, "reward"))
-        roles["rewards"].append(WorkerGroup(CriticWorker, pg, 0.5 if args.colocate_critic_reward else share, cpus,
-                                            (args, path, False, 0)))
-    roles["engines"] = create_vllm_engines(
+    # The engines first: PACK then keeps each tensor-parallel engine on one node, while whole nodes are free (placed
+    # last, a TP-4 engine of the 70B layout got 2 GPUs on each node, its every layer's all-reduce crossing nodes).
+    engines = create_vllm_engines(
         args.vllm_num_engines, args.vllm_tensor_parallel_size, args.pretrain, args.seed,
         max_model_len=args.prompt_max_len + args.generate_max_len, placement_group=shared,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
         dtype="auto" if use_gpus() else "float32", enforce_eager=not use_gpus(),
         logprobs_mode="processed_logprobs")
+    actor_pg = shared or make_placement_group(args.actor_num_workers, cpus, "actor")
+    roles = {"actor": WorkerGroup(PolicyWorker, actor_pg, shares["actor"], cpus,
+                                  (args, args.pretrain, True, total_actor_steps), role="actor"), "engines": engines}
+    ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
+        args.ref_num_workers, cpus, "reference")
+    if args.init_kl_coef > 0 or args.advantage_estimator == "grpo":
+        roles["ref"] = WorkerGroup(PolicyWorker, ref_pg, shares["reference"], cpus, (args, args.pretrain, False, 0),
+                                   role="reference")
+    critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
+    if use_critic:
+        roles["critic"] = WorkerGroup(CriticWorker, critic_pg, shares["critic"], cpus,
+                                      (args, critic_path, True, total_actor_steps), role="critic")
+    roles["rewards"] = []
+    for i, path in enumerate(reward_paths):
+        pg = critic_pg if (args.colocate_critic_reward and critic_pg) else (
+            shared or make_placement_group(args.reward_num_workers, cpus, "reward"))
+        roles["rewards"].append(WorkerGroup(CriticWorker, pg, shares["reward model"], cpus, (args, path, False, 0),
+                                            role=f"reward model {i + 1}"))
     return roles
+
+
+def role_shares(args: Args) -> dict[str, float]:
+    """The share of its bundle (a GPU, or --cpus_per_worker CPUs) that each worker of a role asks Ray for."""
+    from common.vllm_engine import COLOCATED_GPU_SHARE
+
+    share = 0.2 if args.colocate_all else (0.5 if args.colocate_actor_ref else 1.0)
+    beside_critic = 0.5 if args.colocate_critic_reward else share
+    return {"actor": share, "reference": share, "critic": beside_critic, "reward model": beside_critic,
+            "vLLM": COLOCATED_GPU_SHARE if args.colocate_all else 1.0}
+
+
+def check_colocation(args: Args, shares: dict[str, float]) -> None:
+    """Refuse, before anything is placed, roles colocated on one bundle that ask for more than all of it: Ray would
+    start the first ones and leave the last pending forever (e.g. --colocate_critic_reward with 2 reward models)."""
+    uses = {"reference": args.init_kl_coef > 0 or args.advantage_estimator == "grpo",
+            "critic": args.advantage_estimator == "gae"}
+    ref = {"reference": shares["reference"]} if uses["reference"] else {}
+    critic = {"critic": shares["critic"]} if uses["critic"] else {}
+    rms = {f"reward model {i + 1}": shares["reward model"] for i in range(len(args.reward_pretrain or []))}
+    if args.colocate_all:
+        check_bundle_shares("actor", {"actor": shares["actor"], **ref, **critic, **rms, "vLLM": shares["vLLM"]})
+        return
+    if args.colocate_actor_ref:
+        check_bundle_shares("actor", {"actor": shares["actor"], **ref})
+    if args.colocate_critic_reward and critic:
+        check_bundle_shares("critic", {**critic, **rms})
 
 
 def check_tokenizers(args: Args, tokenizer) -> None:
@@ -679,6 +769,12 @@ def main(args: Args):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     args.reward_pretrain = [os.path.abspath(p) if os.path.exists(p) else p for p in args.reward_pretrain or []]
     check_args(args)
+    if args.dry_run:
+        groups = memory_plan.plan(args)
+        print(memory_plan.describe(args, groups))
+        memory_plan.check(args, groups)
+        print("the plan fits.")
+        return
     reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
     tokenizer = load_tokenizer(args.pretrain)
     check_tokenizers(args, tokenizer)
@@ -694,14 +790,18 @@ def main(args: Args):
     total_actor_steps = args.max_steps * args.max_epochs * rollout // args.train_batch_size
 
     start_ray(args)
+    if use_gpus():
+        memory_plan.preflight(args)
     roles = place_roles(args, total_actor_steps)
     actor, critic, ref, engines = roles["actor"], roles.get("critic"), roles.get("ref"), roles["engines"]
-    ray.get(actor.call("init_weight_sync", engines))
+    wait(actor.call("init_weight_sync", engines), SYNC_TIMEOUT.total_seconds(),
+         "actor rank 0 and the vLLM engines did not form their weight-sync group")
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "placement.json"), "w") as f:  # which Ray node each worker is on
         placement = {name: group.nodes for name, group in roles.items() if isinstance(group, WorkerGroup)}
         placement["rewards"] = [group.nodes for group in roles["rewards"]]
         placement["vllm"] = ray.get([engine.node_id.remote() for engine in engines])
+        placement["vllm_pids"] = ray.get([engine.pid.remote() for engine in engines])
         json.dump(placement, f, indent=1)
     if ptx_samples:
         ray.get(actor.call("set_ptx_data", ptx_samples))
@@ -780,7 +880,7 @@ def main(args: Args):
         prompt_texts = [p["prompt"] for p in picked for _ in range(args.n_samples_per_prompt)]
         labels = [p["label"] for p in picked for _ in range(args.n_samples_per_prompt)]
         responses = [tokenizer.decode(o["token_ids"], skip_special_tokens=True) for outs_i in outs for o in outs_i]
-        micro = args.micro_train_batch_size
+        micro = micro_rollout(args)  # shard() pads a batch that does not split evenly; gather() drops the padding
         old_ref = actor.call_sharded("logprobs", shard(batch, len(actor), micro))
         ref_ref = ref.call_sharded("logprobs", shard(batch, len(ref), micro)) if ref else None
         val_ref = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
@@ -789,15 +889,17 @@ def main(args: Args):
         old_logprobs = gather(old_ref, rollout)
         ref_logprobs = gather(ref_ref, rollout) if ref else old_logprobs
         values = gather(val_ref, rollout) if critic else torch.zeros_like(old_logprobs)
-        advantages, returns = compute_advantages(args, scores, old_logprobs, ref_logprobs, values, mask, kl_ctl.value)
-        kl = tricks.masked_mean(tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator), mask, dim=-1)
+        token_kl = tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)  # (batch, seq)
+        advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_ctl.value)
+        kl = tricks.masked_mean(token_kl, mask, dim=-1)
         experience = {**batch, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "values": values,
                       "advantages": advantages, "returns": returns}
         timings["time/make_experience"] = time.time() - t0
 
         # 3. train the actor and the critic at the same time, on their own workers
         t0 = time.time()
-        fit_refs = actor.call_sharded("fit", shard(experience, len(actor), micro), kl_ctl.value)
+        micro = args.micro_train_batch_size
+        fit_refs = actor.call_sharded("fit", shard(experience, len(actor), micro), kl_ctl.value, step)
         critic_refs = critic.call_sharded("fit", shard(experience, len(critic), micro)) if critic else []
         metrics = ray.get(fit_refs)[0]
         if critic_refs:
@@ -844,5 +946,25 @@ def main(args: Args):
     ray.shutdown()
 
 
+# What the deepspeed launcher sets for a torch.distributed world of its own (deepspeed/launcher/launch.py).
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+def drives_the_run() -> bool:
+    """`deepspeed ppo_ray.py` starts one process per GPU; Ray places every worker itself, so only the process of
+    RANK 0 (or a plain `python ppo_ray.py`, which has no RANK) drives, and the others leave at once with exit code 0:
+    the launcher stops every process as soon as one exits with another. The driver forgets the launcher's world, so
+    that the Ray workers it starts, which inherit its environment, do not take it for theirs."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        print(f"ppo_ray.py: launcher rank {rank} exits; the process of rank 0 drives the run, Ray starts the workers.")
+        return False
+    for key in LAUNCHER_VARIABLES:
+        os.environ.pop(key, None)
+    return True
+
+
 if __name__ == "__main__":
-    run_main(main, parse_args(Args))
+    if drives_the_run():
+        run_main(main, parse_args(Args))

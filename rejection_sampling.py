@@ -246,7 +246,7 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
 
     Returns (responses, seconds spent sampling once the engines were up).
     """
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # this run's own, even if another runs
     try:
         engines = create_vllm_engines(args.vllm_num_engines, args.vllm_tensor_parallel_size, policy, seed,
                                       args.max_model_len, args.vllm_gpu_memory_utilization, args.enforce_eager)

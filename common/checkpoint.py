@@ -1,9 +1,10 @@
 """Checkpoints that are never half-written: Hugging Face model exports and full training state that resumes exactly.
 
 Everything is first written under a temporary name and renamed into place once complete, so a run killed at any
-moment leaves either the previous checkpoint or the new one, never a partial one. Training state is DeepSpeed's
-(model shards, optimizer, scheduler) plus the caller's `client_state` (data position, KL controller, ...) and
-every rank's RNG state; the last `keep_last` are kept.
+moment leaves either the previous checkpoint or the new one, never a partial one; one process (global rank 0)
+does the renaming, after every rank has written. Training state is DeepSpeed's (model shards, optimizer,
+scheduler) plus the caller's `client_state` (data position, KL controller, ...) and every rank's RNG state; the
+last `keep_last` are kept.
 """
 
 import glob
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.deepspeed_utils import gathered_state_dict
+from common.args import UserError
 
 LATEST = "latest"
 
@@ -56,6 +57,8 @@ def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict 
 
     Collective: every rank must call it. `extra_config` entries are stored in config.json (e.g. reward mean/std).
     """
+    from common.deepspeed_utils import gathered_state_dict  # here: saving training state needs no DeepSpeed import
+
     model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     state = gathered_state_dict(model, rank)
     if rank == 0:
@@ -91,30 +94,50 @@ def checkpoint_steps(ckpt_dir: str) -> list[int]:
     return sorted(int(p.rsplit("_", 1)[1]) for p in glob.glob(os.path.join(ckpt_dir, "step_*")) if p[-1].isdigit())
 
 
-def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict, rank: int, local_rank: int,
+def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict, rank: int,
                      keep_last: int = 2) -> None:
     """Save every engine's DeepSpeed state + client_state + RNG as ckpt_dir/step_{step}, atomically. Collective.
 
-    `engines` maps a name ("model", "critic", ...) to a DeepSpeed engine; each gets its own sub-folder.
+    `engines` maps a name ("model", "critic", ...) to a DeepSpeed engine; each gets its own sub-folder. ckpt_dir
+    must be one folder that every rank sees (a shared filesystem across nodes), as DeepSpeed's save_checkpoint
+    assumes without its node-local storage option: there only global rank 0 creates folders and writes the model
+    states. So global rank 0 alone clears leftovers and commits, after every rank has written; one committer per
+    node would rename the same folder twice and fail, or move the fresh checkpoint aside as `.old`.
     """
     tag = f"step_{step}"
-    partial = os.path.join(ckpt_dir, ".partial")
-    if local_rank == 0:  # leftovers of a run killed while saving
-        shutil.rmtree(os.path.join(partial, tag), ignore_errors=True)
+    partial = os.path.join(ckpt_dir, ".partial", tag)
+    if rank == 0:  # leftovers of a run killed while saving
+        shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     for name, engine in engines.items():
-        engine.save_checkpoint(os.path.join(partial, tag, name), tag="state", client_state=client_state,
+        engine.save_checkpoint(os.path.join(partial, name), tag="state", client_state=client_state,
                                save_latest=False)
-    torch.save(_rng_state(), os.path.join(partial, tag, f"rng_rank{rank}.pt"))
+    os.makedirs(partial, exist_ok=True)
+    torch.save(_rng_state(), os.path.join(partial, f"rng_rank{rank}.pt"))
     dist.barrier()
-    if local_rank == 0:  # one rank per node: checkpoints may live on node-local disks
-        replace_dir(os.path.join(partial, tag), os.path.join(ckpt_dir, tag))
+    check_shared(partial, ckpt_dir)
+    if rank == 0:
+        replace_dir(partial, os.path.join(ckpt_dir, tag))
         with open(os.path.join(ckpt_dir, LATEST + ".tmp"), "w") as f:
             f.write(tag)
         os.replace(os.path.join(ckpt_dir, LATEST + ".tmp"), os.path.join(ckpt_dir, LATEST))
         for old in checkpoint_steps(ckpt_dir)[:-keep_last]:
             shutil.rmtree(os.path.join(ckpt_dir, f"step_{old}"), ignore_errors=True)
     dist.barrier()
+
+
+def check_shared(partial: str, ckpt_dir: str) -> None:
+    """Every rank must see every rank's files in `partial`, or a checkpoint committed by rank 0 would lack the
+    shards of ranks on other nodes. Collective: every rank raises the same error, so none waits at a barrier."""
+    world = dist.get_world_size()
+    missing = [r for r in range(world) if not os.path.exists(os.path.join(partial, f"rng_rank{r}.pt"))]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, missing)
+    blind = [r for r, seen in enumerate(everyone) if seen]
+    if blind:
+        raise UserError(f"{ckpt_dir} is not one folder shared by every node (rank {blind[0]} cannot see the files "
+                        f"of rank(s) {everyone[blind[0]]}); put the checkpoint folder on a filesystem every node "
+                        f"mounts at the same path.")
 
 
 def load_train_state(engines: dict, ckpt_dir: str, rank: int, step: int | None = None) -> dict | None:

@@ -5,10 +5,13 @@ the driver creates the actors, asks rank 0 for an address, then has every actor 
 placement groups: one bundle per worker (1 GPU, or `cpus` CPUs on a machine without GPUs); colocated roles share
 the bundles of one group and each take a fraction of a bundle.
 
-    pg = make_placement_group(2, "actor+ref")
-    actor = WorkerGroup(PolicyWorker, pg, share=0.5, args=(args,))
+    pg = make_placement_group(2, 1, "actor")
+    actor = WorkerGroup(PolicyWorker, pg, share=0.5, cpus_per_bundle=1, args=(args,), role="actor")
     ray.get(actor.call("fit", experience))          # every rank, the same arguments
     ray.get(actor.call_sharded("logprobs", shards))  # one shard each
+
+Every wait on start-up is bounded: a role Ray cannot place, or whose model does not load, ends the run with one
+sentence naming it instead of hanging.
 """
 
 import os
@@ -20,6 +23,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from common.args import UserError
 from common.net import free_port
 
+# Seconds Ray may take to reserve a placement group, or to start a role's actors on it; a layout that asks for more
+# than the cluster has never gets there, so waiting longer only hides the mistake.
+PLACE_TIMEOUT_S = 300
+# Seconds a role's workers may take to set up (load and partition a model, 140 GB for a 70B one, from disk).
+SETUP_TIMEOUT_S = 3600
+PLACE_ADVICE = "lower the layout's worker counts or colocation, or give Ray more nodes"
+# Colocated requests on one bundle may sum to this much (Ray adds float shares such as 0.2 x 5 with rounding error).
+FULL_BUNDLE = 1.0 + 1e-6
+
 
 class RayWorker:
     """What every role's actor can do before it loads a model: report an address and join its world."""
@@ -30,10 +42,32 @@ class RayWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def join_world(self, rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> None:
-        """Set the variables torch.distributed reads; the worker's setup then calls init_distributed()."""
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+    def join_world(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        """Set the variables torch.distributed and DeepSpeed read; the worker's setup then calls init_distributed().
+
+        LOCAL_RANK is the index of this worker's GPU among the devices it can see, not its position among the
+        workers of its node: DeepSpeed passes LOCAL_RANK to torch.cuda.set_device (engine, zero.Init), and Ray
+        shows each GPU actor only its own GPU, so a second worker on a node holding LOCAL_RANK 1 fails with
+        "invalid device ordinal".
+        """
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(visible_device_index()),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+
+
+def visible_device_index() -> int:
+    """The index, among the CUDA devices this process can see, of the first GPU Ray gave it (0 without GPUs).
+
+    Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU ids (ray/_private/accelerators/nvidia_gpu.py,
+    set_current_process_visible_accelerator_ids), so this is 0, unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    left every GPU of the node visible, as vLLM's own Ray workers do.
+    """
+    gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+    if not gpu_ids:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return int(gpu_ids[0])
+    return visible.split(",").index(gpu_ids[0])
 
 
 def use_gpus() -> bool:
@@ -51,22 +85,48 @@ def check_resources(needed: dict[str, float]) -> None:
                         f"({free:g} free); ask for fewer workers or engines, colocate roles, or add nodes.")
 
 
+def check_bundle_shares(group: str, shares: dict[str, float]) -> None:
+    """Fail in one sentence, before anything is placed, when the roles colocated on one placement group ask for more
+    than a whole bundle each: Ray would keep the last of them pending forever."""
+    total = sum(shares.values())
+    if total > FULL_BUNDLE:
+        asked = " + ".join(f"{role} {share:g}" for role, share in shares.items())
+        raise UserError(f"the roles colocated on the {group} GPUs ask for {asked} = {total:g} of each GPU, more than "
+                        f"one; colocate fewer roles (or fewer reward models) there, or give some of them GPUs of "
+                        f"their own.")
+
+
 def make_placement_group(num_bundles: int, cpus_per_bundle: float, name: str):
     """One bundle per worker (a GPU and a CPU, or CPUs alone), spread over nodes only when one is not enough."""
     bundle = {"GPU": 1, "CPU": 1} if use_gpus() else {"CPU": cpus_per_bundle}
     pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK", name=name)
-    try:
-        ray.get(pg.ready(), timeout=300)
-    except ray.exceptions.GetTimeoutError:
-        raise UserError(f"Ray could not place {name} ({num_bundles} x {bundle}) in 300 s; the cluster has "
-                        f"{ray.available_resources()} free.") from None
+    wait(pg.ready(), PLACE_TIMEOUT_S, f"Ray could not reserve the {name} bundles ({num_bundles} x {bundle})")
     return pg
+
+
+def wait(refs, timeout: float, failure: str, advice: str = PLACE_ADVICE):
+    """ray.get(refs) for at most `timeout` seconds; past it, one sentence: `failure`, what Ray has free, `advice`.
+
+    Every start-up wait goes through here, so that a role that can never be placed ends the run instead of hanging.
+    """
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, UserError):  # a worker's sentence for the user, without the remote traceback
+            raise e.cause from None
+        raise
+    except ray.exceptions.GetTimeoutError:
+        free = ray.available_resources()
+        raise UserError(f"{failure} within {timeout:g} s ({free.get('GPU', 0):g} GPUs and {free.get('CPU', 0):g} "
+                        f"CPUs free in the Ray cluster); {advice}.") from None
 
 
 class WorkerGroup:
     """`num_workers` actors of `cls`, one per bundle of `pg`, joined into one torch.distributed world."""
 
-    def __init__(self, cls, pg, share: float, cpus_per_bundle: float, args: tuple = (), env: dict | None = None):
+    def __init__(self, cls, pg, share: float, cpus_per_bundle: float, args: tuple = (), env: dict | None = None,
+                 role: str | None = None):
+        role = role or cls.__name__
         num_workers = len(pg.bundle_specs)
         resources = {"num_gpus": share, "num_cpus": share} if use_gpus() else {"num_cpus": share * cpus_per_bundle}
         self.actors = [
@@ -77,13 +137,14 @@ class WorkerGroup:
             ).remote()
             for i in range(num_workers)
         ]
-        master_addr, master_port = ray.get(self.actors[0].address.remote())
-        nodes = ray.get([a.node_id.remote() for a in self.actors])
-        local_ranks = [nodes[:i].count(node) for i, node in enumerate(nodes)]
-        ray.get([a.join_world.remote(i, num_workers, local_ranks[i], master_addr, master_port)
-                 for i, a in enumerate(self.actors)])
-        ray.get([a.setup.remote(*args) for a in self.actors])
-        self.nodes = nodes
+        placing = f"Ray could not start the {role} workers ({num_workers} x {resources} on their bundles)"
+        master_addr, master_port = wait(self.actors[0].address.remote(), PLACE_TIMEOUT_S, placing)
+        self.nodes = wait([a.node_id.remote() for a in self.actors], PLACE_TIMEOUT_S, placing)
+        wait([a.join_world.remote(i, num_workers, master_addr, master_port) for i, a in enumerate(self.actors)],
+             PLACE_TIMEOUT_S, placing)
+        wait([a.setup.remote(*args) for a in self.actors], SETUP_TIMEOUT_S,
+             f"the {role} workers did not finish loading their model",
+             "check that every node reads the model folder fast enough, or raise common.ray_workers.SETUP_TIMEOUT_S")
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call `method` on every rank with the same arguments; returns the object refs (rank order)."""

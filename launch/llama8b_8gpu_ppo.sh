@@ -15,7 +15,8 @@
 #   2 GPUs  critic, 2 ZeRO-3 ranks, with the reward model colocated
 #   2 GPUs  2 vLLM engines, one GPU each, which take the actor's weights after every step
 # --ref_num_workers / --reward_num_workers match the actor / critic: colocated roles get one worker per GPU of the
-# role they sit with. --offload_optimizer keeps the critic (8B on 2 GPUs) within 80 GB.
+# role they sit with. --offload_optimizer keeps the critic (8B on 2 GPUs) within 80 GB. The experience phase's
+# forwards need no gradients and run 8 responses at a time (--micro_rollout_batch_size), twice the training micro-batch.
 # Critic-free variants: --advantage_estimator reinforce++ (or grpo / rloo with --n_samples_per_prompt 4 or more)
 # start no critic, leaving its 2 GPUs to the reward model alone.
 set -euo pipefail
@@ -40,7 +41,7 @@ python ppo_ray.py \
     --zero_stage 3 --offload_optimizer --gradient_checkpointing \
     --advantage_estimator gae --gamma 1.0 --lambd 0.95 \
     --rollout_batch_size 512 --n_samples_per_prompt 1 \
-    --train_batch_size 128 --micro_train_batch_size 4 \
+    --train_batch_size 128 --micro_train_batch_size 4 --micro_rollout_batch_size 8 \
     --max_epochs 1 --max_steps 200 \
     --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 \
     --init_kl_coef 0.01 --kl_estimator k1 \

@@ -1,0 +1,163 @@
+"""Memory pre-flight of a ppo_ray.py layout: what each GPU will hold, from the models' config.json alone.
+
+Trained roles (actor, critic) take DeepSpeed's own estimate of their model states per GPU (weights, gradients and
+Adam states: `estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/stage3.py, the ZeRO-2 one in
+stage_1_and_2.py for --zero_stage below 3). Frozen roles (reference, reward models) hold bf16 weights partitioned
+over their ranks (in CPU memory with --ref_offload) plus the gathered largest layer. A forward over the vocabulary
+adds its logits: bf16, their fp32 copy and the fp32 logsumexp work of one micro-batch. A vLLM engine takes
+--vllm_gpu_memory_utilization of each of its GPUs, in which its shard of the weights, its own working memory and a
+KV cache must fit. Colocated roles add up on their GPUs; with --colocate_all the engines count at their full share,
+as they need it free when they start and wake.
+
+    python ppo_ray.py ... --dry_run          # prints the plan, refuses one that does not fit, starts nothing
+"""
+
+import json
+import os
+
+from common.args import UserError
+
+GiB = 2**30
+# What a vLLM engine keeps besides weights and KV cache: activations of a batch, CUDA graphs, NCCL buffers (rough).
+VLLM_OVERHEAD_GIB = 4.0
+# An engine whose KV cache holds fewer full-length sequences than this spends its time waiting, not generating.
+MIN_KV_SEQUENCES = 8
+# fp32 bytes per logit a vocabulary forward holds at once: bf16 logits (2) + their fp32 copy (4) + logsumexp (4).
+LOGIT_BYTES = 10
+
+
+def read_config(path: str, flag: str) -> dict:
+    """A model folder's config.json (the pre-flight loads no weights)."""
+    file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(file):
+        raise UserError(f"{flag} {path} has no config.json here; the memory plan needs the model folder locally.")
+    with open(file) as f:
+        return json.load(f)
+
+
+def model_sizes(config: dict) -> dict:
+    """Parameter counts of a Llama-style decoder: as a causal LM, with a scalar head instead of the LM head (critic,
+    reward model), its largest layer (the embedding, gathered whole under ZeRO-3), and bf16 KV-cache bytes per token."""
+    hidden, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q and o; k and v
+    per_layer = attention + 3 * hidden * config["intermediate_size"] + 2 * hidden  # + gate/up/down, 2 norms
+    backbone = vocab * hidden + layers * per_layer + hidden
+    return {"causal_lm": backbone + (0 if config.get("tie_word_embeddings") else vocab * hidden),
+            "scalar_head": backbone + hidden, "largest_layer": max(vocab * hidden, per_layer),
+            "kv_per_token": 2 * layers * kv_heads * head_dim * 2, "vocab": vocab}
+
+
+def trained(args, params: int, largest: int, gpus: int) -> dict:
+    """GPU bytes of a trained role's rank: DeepSpeed's estimate of its model states (and the CPU bytes of the role)."""
+    if args.zero_stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=gpus,
+                                                            cpu_offload=args.offload_optimizer,
+                                                            cpu_offload_params=False)
+    else:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus,
+                                                         cpu_offload=args.offload_optimizer)
+    return {"model states": gpu, "cpu": cpu}
+
+
+def frozen(params: int, largest: int, gpus: int, offload: bool) -> dict:
+    """GPU bytes of a frozen ZeRO-3 role's rank: its bf16 weight partition, unless offloaded, and a gathered layer."""
+    return {"weights": 0 if offload else 2 * params // gpus, "gathered layer": 4 * largest,
+            "cpu": 2 * params if offload else 0}
+
+
+def plan(args) -> dict:
+    """{GPU group (the GPUs a set of colocated roles shares): (GPU count, {role: bytes it puts on each, by part})}."""
+    policy = model_sizes(read_config(args.pretrain, "--pretrain"))
+    rms = [model_sizes(read_config(p, "--reward_pretrain")) for p in args.reward_pretrain or []]
+    critic_path = args.critic_pretrain or (args.reward_pretrain[0] if args.reward_pretrain else args.pretrain)
+    critic = model_sizes(read_config(critic_path, "--critic_pretrain"))
+    seq = args.prompt_max_len + args.generate_max_len
+    rollout_micro = args.micro_rollout_batch_size or args.micro_train_batch_size
+
+    def logits(micro: int) -> int:
+        return micro * seq * policy["vocab"] * LOGIT_BYTES
+
+    n_actor, engines_gpus = args.actor_num_workers, args.vllm_num_engines * args.vllm_tensor_parallel_size
+    groups = {"actor": (n_actor, {"actor": {
+        **trained(args, policy["causal_lm"], policy["largest_layer"], n_actor),
+        "logits": logits(max(args.micro_train_batch_size, rollout_micro))}})}
+
+    def put(group: str, gpus: int, role: str, need: dict) -> None:
+        groups.setdefault(group, (gpus, {}))[1][role] = need
+
+    if args.init_kl_coef > 0 or args.advantage_estimator == "grpo":
+        shared = args.colocate_actor_ref or args.colocate_all
+        gpus = n_actor if shared else args.ref_num_workers
+        put("actor" if shared else "reference", gpus, "reference",
+            {**frozen(policy["causal_lm"], policy["largest_layer"], gpus, args.ref_offload),
+             "logits": logits(rollout_micro)})
+    use_critic = args.advantage_estimator == "gae"
+    critic_group = "actor" if args.colocate_all else "critic"
+    critic_gpus = n_actor if args.colocate_all else args.critic_num_workers
+    if use_critic:
+        put(critic_group, critic_gpus, "critic", trained(args, critic["scalar_head"], critic["largest_layer"],
+                                                         critic_gpus))
+    for i, rm in enumerate(rms):
+        beside_critic = args.colocate_all or (args.colocate_critic_reward and use_critic)
+        gpus = critic_gpus if beside_critic else args.reward_num_workers
+        put(critic_group if beside_critic else f"reward model {i + 1}", gpus, f"reward model {i + 1}",
+            frozen(rm["scalar_head"], rm["largest_layer"], gpus, args.ref_offload))
+    weights = 2 * policy["causal_lm"] // args.vllm_tensor_parallel_size
+    budget = args.vllm_gpu_memory_utilization * args.gpu_memory_gib * GiB
+    kv = budget - weights - VLLM_OVERHEAD_GIB * GiB
+    put("actor" if args.colocate_all else "vLLM", engines_gpus, "vLLM",
+        {"weights": weights, "overhead": VLLM_OVERHEAD_GIB * GiB, "KV cache": max(0, kv),
+         "sequences": kv * args.vllm_tensor_parallel_size / policy["kv_per_token"] / seq})  # KV heads split over TP
+    return groups
+
+
+def gpu_bytes(need: dict) -> float:
+    return sum(v for k, v in need.items() if k not in ("cpu", "sequences"))
+
+
+def describe(args, groups: dict) -> str:
+    """The plan as lines a person reads: each GPU group, each role's parts, the total against the GPU's memory."""
+    lines = [f"memory plan per GPU ({args.gpu_memory_gib:g} GiB each), from the models' config.json:"]
+    for group, (gpus, roles) in groups.items():
+        total = sum(gpu_bytes(need) for need in roles.values())
+        lines.append(f"  {group} GPUs x{gpus}: {total / GiB:.1f} GiB")
+        for role, need in roles.items():
+            parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in need.items() if k not in ("cpu", "sequences") and v)
+            extra = (f"; KV cache holds {max(0, need['sequences']):.0f} sequences of full length"
+                     if "sequences" in need else "")
+            cpu = f"; {need['cpu'] / GiB:.0f} GiB of CPU memory over its nodes" if need.get("cpu") else ""
+            lines.append(f"    {role}: {gpu_bytes(need) / GiB:.1f} GiB ({parts}){extra}{cpu}")
+    return "\n".join(lines)
+
+
+def check(args, groups: dict) -> None:
+    """Refuse, in one sentence saying what to change, a plan whose GPUs overflow or whose engines have no KV room."""
+    vllm = next(need for _, roles in groups.values() for role, need in roles.items() if role == "vLLM")
+    if vllm["sequences"] < MIN_KV_SEQUENCES:
+        raise UserError(f"each vLLM GPU holds {vllm['weights'] / GiB:.1f} GiB of weights in its "
+                        f"{args.vllm_gpu_memory_utilization:g} x {args.gpu_memory_gib:g} GiB, leaving KV cache for "
+                        f"{max(0, vllm['sequences']):.0f} sequences of {args.prompt_max_len + args.generate_max_len} "
+                        f"tokens (at least {MIN_KV_SEQUENCES} needed); raise --vllm_tensor_parallel_size or "
+                        f"--vllm_gpu_memory_utilization.")
+    for group, (gpus, roles) in groups.items():
+        total = sum(gpu_bytes(need) for need in roles.values())
+        if total > args.gpu_memory_gib * GiB:
+            biggest = max(roles, key=lambda role: gpu_bytes(roles[role]))
+            raise UserError(f"the {group} GPUs would hold {total / GiB:.1f} GiB each ({', '.join(roles)}) of "
+                            f"{args.gpu_memory_gib:g} GiB, {biggest} the most; give {biggest} more workers, offload "
+                            f"(--offload_optimizer, --ref_offload), lower the micro-batch sizes or "
+                            f"--vllm_gpu_memory_utilization, or colocate less.")
+
+
+def preflight(args) -> None:
+    """The check before a real start on GPUs, when every model is a local folder (a hub name has no config here)."""
+    paths = [args.pretrain, args.critic_pretrain, *(args.reward_pretrain or [])]
+    if all(os.path.isdir(os.path.expanduser(p)) for p in paths if p):
+        check(args, plan(args))

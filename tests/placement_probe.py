@@ -1,0 +1,100 @@
+"""Stand-ins for ppo_ray.py's workers and vLLM engines that load no model and only report where Ray put them.
+
+tests/test_placement.py runs ppo_ray.place_roles with these: the real placement groups, shares, WorkerGroup and
+create_vllm_engines code, on a Ray cluster of CPUs that pretends to have GPUs. Kept free of torch and ppo_ray
+imports, since every probe is a Ray worker process of its own and a simulated 16-GPU layout starts about twenty.
+"""
+
+import os
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from common.ray_workers import RayWorker, WorkerGroup
+
+
+def report() -> dict:
+    """Where the calling actor runs and what Ray granted it, as CUDA and torch.distributed would see it."""
+    granted = ray.get_runtime_context().get_assigned_resources()
+    return {"node": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "gpu_share": sum(v for k, v in granted.items() if k == "GPU" or k.startswith("GPU_group_")
+                             and k.count("_") == 2),
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "RANK": os.environ.get("RANK"), "LOCAL_RANK": os.environ.get("LOCAL_RANK")}
+
+
+class ProbeWorker(RayWorker):
+    """A role's rank: joins its world like the real workers (RayWorker.join_world) but loads nothing."""
+
+    def setup(self, role: str, share: float) -> None:
+        self.role, self.share = role, share
+
+    def report(self) -> dict:
+        return {"role": self.role, **report()}
+
+    def plan_weight_sync(self, engines: list) -> list[str]:
+        """The transports init_weight_sync_group would use from this rank (0 of the actor) to each vLLM worker."""
+        from common.weight_sync import sync_transports
+
+        return sync_transports(engines)
+
+
+def probe_group(cls, pg, share, cpus_per_bundle, args=(), env=None, role=None):
+    """WorkerGroup as ppo_ray.place_roles builds it, with the model-loading class and arguments swapped out (they
+    would import ppo_ray, torch and transformers in every probe process)."""
+    group = WorkerGroup(ProbeWorker, pg, share, cpus_per_bundle, (role, share), env, role)
+    group.bundles = list(range(len(pg.bundle_specs)))  # worker i sits on bundle i
+    return group
+
+
+class ProbeTPWorker:
+    """One of vLLM's own Ray workers of a tensor-parallel engine."""
+
+    def report(self) -> dict:
+        return report()
+
+
+class ProbeEngine:
+    """VLLMEngine's constructor and start-up methods. With tensor parallelism it starts its workers as vLLM's Ray
+    executor does (vllm/v1/executor/ray_executor.py, _init_workers_ray): one actor per bundle of
+    VLLM_RAY_BUNDLE_INDICES, num_gpus=VLLM_RAY_PER_WORKER_GPUS, CUDA_VISIBLE_DEVICES left unset by Ray."""
+
+    def __init__(self, pretrain_path, seed, max_model_len, tensor_parallel_size, gpu_memory_utilization,
+                 enforce_eager, dtype, enable_sleep_mode, use_gpu, bundle_indices, llm_kwargs):
+        self.tp, self.bundle_indices = tensor_parallel_size, bundle_indices
+        self.workers = []
+        if bundle_indices is not None:
+            pg = ray.util.get_current_placement_group()
+            share = float(os.environ.get("VLLM_RAY_PER_WORKER_GPUS", "1.0"))
+            self.workers = [ray.remote(ProbeTPWorker).options(
+                num_cpus=0, num_gpus=share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b,
+                                                                     placement_group_capture_child_tasks=True),
+                runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+            ).remote() for b in bundle_indices]
+            ray.get([w.report.remote() for w in self.workers], timeout=60)
+
+    def ready(self) -> bool:
+        return True
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def tensor_parallel_size(self) -> int:
+        return self.tp
+
+    def placement(self) -> list[dict]:
+        """One report per vLLM worker (VLLMEngine.placement's, and more): the engine actor itself without tensor
+        parallelism, else its Ray workers."""
+        if not self.workers:
+            return [report()]
+        return ray.get([w.report.remote() for w in self.workers], timeout=60)
+
+
+class HangingEngine(ProbeEngine):
+    """An engine whose start never ends, as one does when vLLM waits for memory or a rendezvous that never comes."""
+
+    def __init__(self, *args):
+        import time
+
+        time.sleep(10**6)

@@ -1,0 +1,78 @@
+"""save_train_state with two processes that are each local rank 0 of their node, as two Ray nodes' workers are.
+
+On a shared filesystem (what launch/ and docs ask for across nodes) both see one checkpoint folder: exactly one of
+them may commit it. With node-local folders the checkpoint could never be resumed whole, which must be said at once.
+DeepSpeed is replaced by a stub engine that writes one shard file per rank, so the test needs only torch and gloo.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.net import free_port
+
+
+class StubEngine:
+    """The one DeepSpeed engine method save_train_state calls, writing this rank's shard like ZeRO does."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        folder = os.path.join(save_dir, tag)
+        os.makedirs(folder, exist_ok=True)
+        time.sleep(0.05 * self.rank)  # the ranks finish at different times, as they do for real
+        torch.save(client_state, os.path.join(folder, f"zero_rank{self.rank}.pt"))
+
+
+def save_steps(rank: int, world: int, port: int, dirs: list[str], steps: list[int], result_dir: str) -> None:
+    """One process: join a gloo world as local rank 0 of its own "node", save `steps`, write what happened."""
+    from common.checkpoint import save_train_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    outcome = "ok"
+    try:
+        for step in steps:
+            save_train_state({"model": StubEngine(rank)}, dirs[rank], step, {"step": step}, rank, keep_last=2)
+    except Exception as e:  # reported to the test, which runs in another process
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    dist.destroy_process_group()
+
+
+def run_two_nodes(dirs: list[str], steps: list[int], result_dir: str) -> list[str]:
+    mp.start_processes(save_steps, args=(2, free_port("127.0.0.1"), dirs, steps, result_dir), nprocs=2,
+                       start_method="spawn")
+    return [open(os.path.join(result_dir, f"rank{r}.txt")).read() for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_local_rank_zeros_on_shared_storage_commit_once(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    outcomes = run_two_nodes([ckpt, ckpt], [1, 2, 3], str(tmp_path))
+    assert outcomes == ["ok", "ok"], outcomes
+    assert sorted(os.listdir(ckpt)) == [".partial", "latest", "step_2", "step_3"]  # keep_last=2, nothing `.old`
+    assert open(os.path.join(ckpt, "latest")).read() == "step_3"
+    assert os.listdir(os.path.join(ckpt, ".partial")) == []
+    for step in (2, 3):
+        files = sorted(os.listdir(os.path.join(ckpt, f"step_{step}", "model", "state")))
+        assert files == ["zero_rank0.pt", "zero_rank1.pt"], files  # both ranks' shards in the committed step
+        assert torch.load(os.path.join(ckpt, f"step_{step}", "model", "state", "zero_rank1.pt")) == {"step": step}
+        assert sorted(f for f in os.listdir(os.path.join(ckpt, f"step_{step}")) if f.startswith("rng")) == [
+            "rng_rank0.pt", "rng_rank1.pt"]
+
+
+@pytest.mark.slow
+def test_node_local_checkpoint_folders_are_refused_in_one_sentence(tmp_path):
+    dirs = [str(tmp_path / "node0" / "ckpt"), str(tmp_path / "node1" / "ckpt")]  # same path, different disks
+    outcomes = run_two_nodes(dirs, [1], str(tmp_path))
+    assert outcomes[0] == outcomes[1].replace(dirs[1], dirs[0]), outcomes  # every rank stops, none hangs
+    assert outcomes[0].startswith("UserError: ") and "filesystem every node mounts" in outcomes[0], outcomes
+    assert not os.path.exists(os.path.join(dirs[0], "step_1"))  # nothing half-shared was committed

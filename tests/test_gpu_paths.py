@@ -1,0 +1,100 @@
+"""Small decisions of the GPU path, checked on CPU: what a first GPU run would otherwise find out the hard way.
+
+- the entropy bonus builds no autograd graph at --entropy_coef 0 (two fp32 batch x seq x vocab tensors kept for a
+  backward that never uses them);
+- flash-attention only in bf16/fp16, where its kernels run;
+- the experience phase's forwards run at --micro_rollout_batch_size, not the training micro-batch;
+- under `deepspeed ppo_ray.py` only the process of RANK 0 drives; the others exit 0 with one line.
+"""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT
+
+import ppo_ray
+from common import deepspeed_utils
+
+
+class CountingLM(torch.nn.Module):
+    """A causal LM stand-in: logits from one trainable embedding; counts its forward passes."""
+
+    def __init__(self, vocab: int = 11):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, vocab)
+        self.forwards = 0
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        self.forwards += 1
+        return SimpleNamespace(logits=self.embed(input_ids))  # (batch, seq, vocab)
+
+
+def policy_worker(**flags) -> ppo_ray.PolicyWorker:
+    worker = ppo_ray.PolicyWorker()  # a plain class until ray.remote wraps it; setup() would load a model
+    worker.args, worker.engine = ppo_ray.Args(**flags), CountingLM()
+    return worker
+
+
+def batch(rows: int = 8, seq: int = 6) -> dict:
+    ids = torch.randint(0, 11, (rows, seq))
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1,
+            "action_mask": torch.ones(rows, seq - 1)}
+
+
+@pytest.mark.parametrize("coef,graph", [(0.0, False), (0.01, True)])
+def test_entropy_builds_a_graph_only_when_it_is_in_the_loss(coef, graph):
+    logprobs, entropy = policy_worker(entropy_coef=coef)._logprobs(batch(), with_entropy=True)
+    assert logprobs.requires_grad  # the policy loss still trains
+    assert entropy.requires_grad == graph
+    assert entropy.shape == logprobs.shape and (entropy > 0).all()  # still logged as objective/entropy
+
+
+def test_flash_attention_only_in_half_precision(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(deepspeed_utils, "_has_flash_attn", lambda: True)
+    assert deepspeed_utils.attention_implementation(torch.bfloat16) == "flash_attention_2"
+    assert deepspeed_utils.attention_implementation(torch.float16) == "flash_attention_2"
+    assert deepspeed_utils.attention_implementation(torch.float32) == "sdpa"  # e.g. a V100: no bf16, fp32 model
+    monkeypatch.setattr(deepspeed_utils, "_has_flash_attn", lambda: False)
+    assert deepspeed_utils.attention_implementation(torch.bfloat16) == "sdpa"
+
+
+def test_experience_forwards_use_the_rollout_micro_batch():
+    worker = policy_worker(micro_train_batch_size=2, micro_rollout_batch_size=4)
+    assert worker.logprobs(batch(rows=8)).shape == (8, 5)
+    assert worker.engine.forwards == 2
+    worker = policy_worker(micro_train_batch_size=2)  # unset: the training micro-batch, as before
+    worker.logprobs(batch(rows=8))
+    assert worker.engine.forwards == 4
+    frozen = ppo_ray.train_or_eval_config(ppo_ray.Args(micro_train_batch_size=1, micro_rollout_batch_size=4), 2, False)
+    assert frozen["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_only_rank_zero_of_a_launcher_drives(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "3")
+    assert not ppo_ray.drives_the_run()
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["ppo_ray.py: launcher rank 3 exits; the process of rank 0 drives the run, Ray starts the workers."]
+    for key in ppo_ray.LAUNCHER_VARIABLES:
+        monkeypatch.setenv(key, "0" if "RANK" in key else "2")
+    assert ppo_ray.drives_the_run()
+    assert not any(key in os.environ for key in ppo_ray.LAUNCHER_VARIABLES)  # Ray's workers must not inherit them
+    assert ppo_ray.drives_the_run()  # plain `python ppo_ray.py`: no RANK at all
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_on_a_two_gpu_host_starts_one_driver(tmp_path):
+    """`deepspeed --num_gpus 2 ppo_ray.py` with a flag mistake: rank 1 leaves with its line and exit code 0 (which the
+    launcher lets pass), rank 0 alone drives and reports the mistake once."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", os.path.join(ROOT, "ppo_ray.py"),
+           "--pretrain", str(tmp_path), "--output_dir", str(tmp_path / "out")]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert "ppo_ray.py: launcher rank 1 exits; the process of rank 0 drives the run" in output, output[-3000:]
+    assert output.count("error: no reward source") == 1, output[-3000:]
+    assert result.returncode == 2, output[-3000:]

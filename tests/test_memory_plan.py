@@ -1,0 +1,77 @@
+"""The memory pre-flight of ppo_ray.py (common/memory_plan.py) on the launch/ recipes, with Llama-3 configs.
+
+tests/llama3_8b and tests/llama3_70b hold the config.json of Meta's Llama-3-8B and Llama-3-70B as published (no
+weights): the plan is computed from them alone, so every recipe's layout is checked against 80 GiB GPUs here.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from test_placement import distinct, recipe_layouts
+
+import ppo_ray
+from common import memory_plan
+from common.args import UserError, parse_args
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+LLAMA = {"8B": os.path.join(TESTS, "llama3_8b"), "70B": os.path.join(TESTS, "llama3_70b")}
+
+
+def recipe_args(name: str, flags: list[str], **changes) -> ppo_ray.Args:
+    """The recipe's Args, its models standing in as the Llama-3 config its header names ("... of a 70B ...")."""
+    with open(os.path.join(ROOT, "launch", name.split(" = ")[0])) as f:
+        size = "70B" if "70B Llama" in f.read() else "8B"
+    args = parse_args(ppo_ray.Args, [LLAMA[size] if "$" in w else w for w in flags])
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+RECIPES = distinct(recipe_layouts())
+
+
+def test_llama3_configs_give_the_published_sizes():
+    sizes = {name: memory_plan.model_sizes(memory_plan.read_config(path, "--pretrain")) for name, path in
+             LLAMA.items()}
+    assert sizes["8B"]["causal_lm"] == 8_030_261_248 and sizes["70B"]["causal_lm"] == 70_553_706_496
+    assert sizes["70B"]["kv_per_token"] == 327_680  # 80 layers x 8 KV heads x 128 x (k, v) x bf16
+
+
+@pytest.mark.parametrize("name,nodes,flags", RECIPES, ids=[name for name, _, _ in RECIPES])
+def test_every_recipe_fits_its_gpus(name, nodes, flags):
+    args = recipe_args(name, flags)
+    groups = memory_plan.plan(args)
+    memory_plan.check(args, groups)
+    assert sum(gpus for gpus, _ in groups.values()) == 8 * nodes, memory_plan.describe(args, groups)
+
+
+def test_the_old_70b_vllm_layout_is_refused_in_one_sentence():
+    name, _, flags = next(r for r in RECIPES if "70b" in r[0])
+    args = recipe_args(name, flags, vllm_num_engines=2, vllm_tensor_parallel_size=2)
+    with pytest.raises(UserError, match=r"^each vLLM GPU holds 65\.7 GiB of weights .* raise "
+                                        r"--vllm_tensor_parallel_size or --vllm_gpu_memory_utilization\.$"):
+        memory_plan.check(args, memory_plan.plan(args))
+
+
+def test_colocate_all_counts_the_engines_whole_share():
+    """--colocate_all at vLLM's default 0.85: the engines need that much free when they start, beside the models."""
+    name, _, flags = next(r for r in RECIPES if "8gpu" in r[0])
+    args = recipe_args(name, flags, colocate_all=True, colocate_actor_ref=False, colocate_critic_reward=False,
+                       actor_num_workers=8, vllm_num_engines=8)
+    with pytest.raises(UserError, match=r"^the actor GPUs would hold .* lower the micro-batch sizes or "
+                                        r"--vllm_gpu_memory_utilization, or colocate less\.$"):
+        memory_plan.check(args, memory_plan.plan(args))
+
+
+@pytest.mark.slow
+def test_dry_run_prints_the_plan_and_starts_nothing():
+    name, _, flags = next(r for r in RECIPES if "70b" in r[0])
+    words = [LLAMA["70B"] if "$" in w else w for w in flags]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "ppo_ray.py"), *words, "--dry_run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "vLLM GPUs x4" in result.stdout and "KV cache holds" in result.stdout, result.stdout
+    assert result.stdout.rstrip().endswith("the plan fits."), result.stdout

@@ -1,0 +1,284 @@
+"""ppo_ray.py's placement on GPU clusters, simulated on CPU: Ray with virtual GPUs, probe workers, no models.
+
+Ray told that a node has 8 GPUs (`ray.init(num_gpus=8)`, or `ray.cluster_utils.Cluster` nodes for two) schedules
+fractional GPU requests and sets each actor's CUDA_VISIBLE_DEVICES as it does on real GPUs. Every ppo_ray.py
+layout of launch/ (read from the recipes themselves, so a changed recipe is checked as written) goes through the
+real ppo_ray.place_roles, WorkerGroup and create_vllm_engines with probes standing in for the models (see
+tests/placement_probe.py), and each rank reports node, bundle, CUDA_VISIBLE_DEVICES, LOCAL_RANK, RANK and its
+weight-sync transport. What a first GPU run would otherwise find out:
+  - LOCAL_RANK names a device the worker can see (DeepSpeed calls torch.cuda.set_device(LOCAL_RANK));
+  - no GPU carries more than 1.0 of requests;
+  - no two ranks of one NCCL group (a role's DeepSpeed world, the weight-sync group) share a GPU (NCCL refuses);
+  - a vLLM worker on actor rank 0's own GPU (--colocate_all) is planned over CUDA IPC, and refused in one sentence
+    as long as that transfer is not implemented;
+  - every wait on start-up ends, in one sentence naming the role, instead of hanging.
+"""
+
+import ast
+import glob
+import inspect
+import os
+import re
+import textwrap
+import time
+from collections import defaultdict
+
+import placement_probe
+import pytest
+import ray
+from conftest import ROOT
+from test_launch import invocations, shell_text
+
+import ppo_ray
+from common import ray_workers, vllm_engine
+from common.args import UserError, parse_args
+from common.weight_sync import check_transports
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+def recipe_layouts() -> list[tuple[str, int, list[str]]]:
+    """(recipe, nodes, ppo_ray.py flags) for every ppo_ray.py command in launch/, with the node count its
+    `Hardware` line names ("1 node, 8 GPUs", "2 nodes x 8 GPUs"); shell variables become a placeholder."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "launch", "*.sh")) + glob.glob(os.path.join(ROOT, "launch",
+                                                                                                  "*.sbatch"))):
+        text = shell_text(path)
+        for script, words in invocations(text):
+            if script != "ppo_ray":
+                continue
+            hardware = re.search(r"Hardware\s+(\d+) nodes?(?:,| x) (\d+) GPUs", text)
+            assert hardware and hardware.group(2) == "8", f"{path}: no 'Hardware  N node(s) x 8 GPUs' line"
+            flags = [w for w in words if w not in ("$@", "$*")]
+            found.append((os.path.basename(path), int(hardware.group(1)), flags))
+    return found
+
+
+def distinct(layouts: list[tuple[str, int, list[str]]]) -> list[tuple[str, int, list[str]]]:
+    """One entry per distinct layout (launch/slurm_ppo.sbatch runs launch/ppo_70b_16gpu.sh's), named after all its
+    recipes: each simulated 16-GPU cluster costs a minute of this machine's CPUs."""
+    merged = {}
+    for name, nodes, flags in layouts:
+        key = (nodes, tuple("$" if "$" in w else w for w in flags))
+        merged[key] = (merged[key][0] + " = " + name if key in merged else name, nodes, flags)
+    return list(merged.values())
+
+
+RECIPES = recipe_layouts()
+# Layouts the docs describe beyond the recipes (docs/ppo.md, Colocation).
+EXTRA = [
+    ("colocate_all, 4 GPUs", 1, ["--pretrain", "$SFT", "--colocate_all", "--actor_num_workers", "4",
+                                "--vllm_num_engines", "4", "--reward_pretrain", "$RM"]),
+    ("colocate_all, 4 GPUs, tensor parallel 2", 1, ["--pretrain", "$SFT", "--colocate_all",
+                                                    "--actor_num_workers", "4",
+                                                    "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "2",
+                                                    "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4",
+                                                    "--reward_pretrain", "$RM"]),
+]
+
+
+def layout_args(flags: list[str], model: str) -> ppo_ray.Args:
+    """The Args the flags give, every shell variable standing for the placeholder model folder."""
+    return parse_args(ppo_ray.Args, [model if "$" in w else w for w in flags])
+
+
+# ------------------------------------------------------------------------------------------------ the cluster
+@pytest.fixture
+def model(tmp_path) -> str:
+    """A folder that passes check_model_path: the probes never read it."""
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """ppo_ray.place_roles with probe workers and engines, and start-up timeouts short enough for a test."""
+    monkeypatch.setattr(ppo_ray, "WorkerGroup", placement_probe.probe_group)
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", placement_probe.ProbeEngine)
+    monkeypatch.setattr(ray_workers, "PLACE_TIMEOUT_S", 180)  # probes start in seconds, on a busy CPU in a minute
+    monkeypatch.setattr(ray_workers, "SETUP_TIMEOUT_S", 180)
+    monkeypatch.setattr(vllm_engine, "ENGINE_START_TIMEOUT_S", 180)
+
+
+RUNTIME_ENV = {"env_vars": {"PYTHONPATH": os.pathsep.join([ROOT, TESTS])}}
+
+
+def start_cluster(nodes: int, gpus: int, cpus: int):
+    """A local Ray cluster of `nodes` nodes with `gpus` virtual GPUs each; returns what to shut down."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    small = {"object_store_memory": 80 * 2**20}
+    if nodes == 1:
+        ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env=RUNTIME_ENV, **small)  # "local": this test's own Ray, whatever else runs here
+        return None
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "num_gpus": gpus,
+                                                            "include_dashboard": False, **small})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cpus, num_gpus=gpus, **small)
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env=RUNTIME_ENV)
+    return cluster
+
+
+def stop_cluster(cluster) -> None:
+    ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+
+
+def collect(roles: dict) -> tuple[list[dict], list[dict], list[str]]:
+    """(every trainer-side rank's report with its role and bundle, every vLLM worker's report with its engine,
+    the weight-sync transport to each vLLM worker as actor rank 0 plans it)."""
+    groups = [(name, g) for name, g in roles.items() if name not in ("rewards", "engines")]
+    groups += [(f"reward model {i + 1}", g) for i, g in enumerate(roles["rewards"])]
+    ranks = []
+    for name, group in groups:
+        for bundle, rep in zip(group.bundles, ray.get(group.call("report"), timeout=60), strict=True):
+            ranks.append({**rep, "role": name, "bundle": bundle})
+    workers = []
+    for i, engine in enumerate(roles["engines"]):
+        for tp_rank, rep in enumerate(ray.get(engine.placement.remote(), timeout=60)):
+            workers.append({**rep, "role": f"vLLM engine {i}", "tp_rank": tp_rank})
+    transports = ray.get(roles["actor"].actors[0].plan_weight_sync.remote(roles["engines"]), timeout=120)
+    return ranks, workers, transports
+
+
+def gpu(rep: dict) -> tuple[str, str]:
+    assert len(rep["gpu_ids"]) == 1, rep
+    return rep["node"], rep["gpu_ids"][0]
+
+
+def check_layout(ranks: list[dict], workers: list[dict], transports: list[str]) -> None:
+    """Assert everything the module docstring lists."""
+    for rep in ranks:  # DeepSpeed: torch.cuda.set_device(LOCAL_RANK) must name a device this process sees
+        visible = rep["CUDA_VISIBLE_DEVICES"].split(",")
+        assert int(rep["LOCAL_RANK"]) < len(visible) and visible[int(rep["LOCAL_RANK"])] == rep["gpu_ids"][0], rep
+    load = defaultdict(float)
+    for rep in ranks + workers:
+        load[gpu(rep)] += rep["gpu_share"]
+    assert max(load.values()) <= 1.0 + 1e-6, dict(load)
+    by_role = defaultdict(list)
+    for rep in ranks:
+        by_role[rep["role"]].append(rep)
+    for role, reps in by_role.items():  # each role is one DeepSpeed world over NCCL
+        assert sorted(int(r["RANK"]) for r in reps) == list(range(len(reps))), (role, reps)
+        assert len({gpu(r) for r in reps}) == len(reps), f"two {role} ranks share a GPU: {reps}"
+    for engine in {w["role"] for w in workers}:  # vLLM's tensor-parallel group, all-reducing every layer
+        tp = [gpu(w) for w in workers if w["role"] == engine]
+        assert len(set(tp)) == len(tp), f"{engine} puts two tensor-parallel ranks on one GPU: {tp}"
+        assert len({node for node, _ in tp}) == 1, f"{engine} spreads its tensor-parallel ranks over nodes: {tp}"
+    trainer = next(r for r in ranks if r["role"] == "actor" and r["RANK"] == "0")
+    nccl = [gpu(trainer)] + [gpu(w) for w, t in zip(workers, transports) if t == "nccl"]
+    assert len(set(nccl)) == len(nccl), f"the weight-sync NCCL group puts two ranks on one GPU: {nccl}"
+    for w, t in zip(workers, transports):  # a vLLM worker on the trainer's own GPU is reached over CUDA IPC
+        assert (t == "ipc") == (gpu(w) == gpu(trainer)), (w, t)
+    if "ipc" in transports:  # until CUDA IPC is implemented, such a layout stops with a sentence, not an NCCL error
+        with pytest.raises(UserError, match="CUDA IPC weight transfer it needs is not implemented yet"):
+            check_transports(transports)
+
+
+def place(args: ppo_ray.Args) -> tuple[list[dict], list[dict], list[str]]:
+    ranks, workers, transports = collect(ppo_ray.place_roles(args, 1))
+    check_layout(ranks, workers, transports)
+    return ranks, workers, transports
+
+
+# ------------------------------------------------------------------------------------------------ tests
+LAYOUTS = distinct(RECIPES) + EXTRA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,nodes,flags", LAYOUTS, ids=[name for name, _, _ in LAYOUTS])
+def test_layout_places_every_rank_on_a_gpu_it_can_use(name, nodes, flags, model, probes, capsys):
+    args = layout_args(flags, model)
+    cluster = start_cluster(nodes, gpus=8, cpus=8)
+    try:
+        ranks, workers, transports = place(args)
+    finally:
+        stop_cluster(cluster)
+    with capsys.disabled():  # the placement, for whoever reads the test log
+        print(f"\n{name}:")
+        for rep in ranks + workers:
+            print(f"  {rep['role']:<15} rank {rep.get('RANK') or rep.get('tp_rank')} bundle {rep.get('bundle', '-')}"
+                  f" node {rep['node'][:8]} CUDA_VISIBLE_DEVICES={rep['CUDA_VISIBLE_DEVICES']} "
+                  f"LOCAL_RANK={rep['LOCAL_RANK']} gpu {rep['gpu_ids']} share {rep['gpu_share']:g}")
+        print(f"  weight sync: {transports}")
+    expected_nodes = len({r["node"] for r in ranks + workers})
+    assert expected_nodes == nodes, f"{name} is meant for {nodes} node(s) but used {expected_nodes}"
+
+
+def test_layouts_were_found():
+    names = [name for name, _, _ in RECIPES]
+    assert {"llama8b_8gpu_ppo.sh", "ppo_70b_16gpu.sh", "slurm_ppo.sbatch"} <= set(names), names
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--colocate_critic_reward", "--reward_pretrain", "$A", "$B"], ["critic 0.5", "reward model 2 0.5", "1.5"]),
+    (["--colocate_all", "--reward_pretrain", "$A", "$B"], ["vLLM 0.2", "1.2"]),
+    (["--colocate_all", "--colocate_critic_reward", "--reward_pretrain", "$A"], ["critic 0.5", "1.6"]),
+])
+def test_oversubscribed_bundles_are_refused_before_placing(flags, words, model):
+    args = layout_args(flags, model)
+    with pytest.raises(UserError) as e:
+        ppo_ray.check_colocation(args, ppo_ray.role_shares(args))
+    message = str(e.value)
+    assert all(w in message for w in words) and "give some of them GPUs of their own" in message, message
+    assert message.count(". ") == 0 and message.endswith("."), message  # one sentence
+
+
+@pytest.mark.slow
+def test_colocate_all_on_cpu_places_the_engines_on_the_shared_bundles(model, probes):
+    """On CPU the engine asked for a whole bundle that the roles already held 0.2 x 4 of, and waited forever."""
+    args = layout_args(["--pretrain", "$SFT", "--colocate_all", "--actor_num_workers", "2",
+                        "--vllm_num_engines", "2", "--reward_pretrain", "$RM"], model)
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=RUNTIME_ENV,
+             object_store_memory=80 * 2**20)
+    try:
+        _, workers, transports = collect(ppo_ray.place_roles(args, 1))
+    finally:
+        ray.shutdown()
+    assert len(workers) == 2 and all(w["gpu_ids"] == [] for w in workers) and transports == ["gloo", "gloo"]
+
+
+@pytest.mark.slow
+def test_every_start_up_wait_ends_in_one_sentence_naming_the_role(model, probes, monkeypatch):
+    cluster = start_cluster(1, gpus=2, cpus=2)
+    try:
+        pg = ray_workers.make_placement_group(2, 1, "critic")
+        critic = placement_probe.probe_group(None, pg, 0.9, 1, role="critic")  # noqa: F841 (holds its GPUs)
+        monkeypatch.setattr(ray_workers, "PLACE_TIMEOUT_S", 5)  # what follows cannot be placed: no need to wait long
+        monkeypatch.setattr(vllm_engine, "ENGINE_START_TIMEOUT_S", 5)
+        with pytest.raises(UserError, match=r"^Ray could not start the reward model 2 workers .* within 5 s"):
+            placement_probe.probe_group(None, pg, 0.5, 1, role="reward model 2")  # 0.9 + 0.5 of one GPU
+        with pytest.raises(UserError, match=r"^the vLLM engines \(2 vLLM engine.* did not start within 5 s"):
+            vllm_engine.create_vllm_engines(2, 1, model, 0, 64, placement_group=pg)  # 0.9 + 0.2
+        ray.util.remove_placement_group(pg)
+        deadline = time.time() + 30
+        while ray.available_resources().get("GPU", 0) < 2 and time.time() < deadline:  # removal is asynchronous
+            time.sleep(0.2)
+        monkeypatch.setattr(vllm_engine, "VLLMEngine", placement_probe.HangingEngine)
+        with pytest.raises(UserError, match=r"^the vLLM engines \(1 vLLM engine.* did not start within 5 s"):
+            vllm_engine.create_vllm_engines(1, 1, model, 0, 64)  # placed, but its start never ends
+    finally:
+        stop_cluster(cluster)
+
+
+def ray_gets_without_timeout(source: str) -> list[str]:
+    """`ray.get(...)` calls in `source` that give no timeout."""
+    found = []
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if (isinstance(node, ast.Call) and ast.unparse(node.func) == "ray.get"
+                and not any(k.arg == "timeout" for k in node.keywords)):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_start_up_code_waits_on_ray_only_with_a_timeout():
+    sources = {"common/ray_workers.py": inspect.getsource(ray_workers),
+               "create_vllm_engines": inspect.getsource(vllm_engine.create_vllm_engines),
+               "ppo_ray.place_roles": inspect.getsource(ppo_ray.place_roles)}
+    unbounded = {where: calls for where, source in sources.items() if (calls := ray_gets_without_timeout(source))}
+    assert not unbounded, f"start-up waits without a timeout: {unbounded}"
