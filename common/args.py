@@ -102,6 +102,10 @@ def run_main(main, args) -> None:
 
     Every rank hits the same mistake, so only rank 0 prints it. Anything else keeps its full traceback.
     """
+    if not sys.stderr.isatty():  # in a log file, the "Loading weights" bars' redraws are noise
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     try:
         main(args)
     except UserError as e:

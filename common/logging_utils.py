@@ -1,4 +1,4 @@
-"""Metrics logging on rank 0: a JSONL file always, tensorboard when installed, wandb when asked; a progress bar.
+"""Metrics logging on rank 0: a JSONL file always, tensorboard when installed, wandb when asked; progress reports.
 
 Metric names follow TRL's namespaces (`train/loss`, `objective/kl`, `rewards/accuracies`, ...) so runs can be
 compared with other libraries. wandb runs offline unless WANDB_API_KEY is set.
@@ -6,6 +6,7 @@ compared with other libraries. wandb runs offline unless WANDB_API_KEY is set.
 
 import json
 import os
+import sys
 import time
 
 from tqdm import tqdm
@@ -65,8 +66,33 @@ class MetricsLogger:
 
 
 def progress(total: int, rank: int, desc: str, initial: int = 0):
-    """A tqdm bar on rank 0, a silent stand-in elsewhere."""
+    """A tqdm bar on rank 0 in a terminal; a line every ~5% of the way in a log file; silent on other ranks."""
+    if rank == 0 and not sys.stderr.isatty():
+        return LineProgress(total, desc, initial)
     return tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, dynamic_ncols=True)
+
+
+class LineProgress:
+    """What a progress bar writes to a file: whole lines every `every` steps and at the end, no carriage returns
+    (a bar's redraws would make a log one long line)."""
+
+    def __init__(self, total: int, desc: str, initial: int = 0, every: int | None = None):
+        self.total, self.desc, self.n, self.postfix = total, desc, initial, ""
+        self.every = every or max(1, total // 20)
+        self.start = time.time()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n // self.every > (self.n - n) // self.every or self.n == self.total:
+            postfix = f", {self.postfix}" if self.postfix else ""
+            print(f"{self.desc}: {self.n}/{self.total} after {time.time() - self.start:.0f} s{postfix}",
+                  file=sys.stderr, flush=True)
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def close(self) -> None:
+        pass
 
 
 def print_rank0(rank: int, *args) -> None:

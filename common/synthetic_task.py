@@ -1,8 +1,17 @@
 """A synthetic task with a checkable answer (adding two numbers), written in every data format the scripts read.
 
-A ~1M-parameter model learns it on a CPU in minutes, and a short SFT leaves it far from perfect, so the later
-stages (reward model, DPO, KTO, PPO, rejection sampling) have room to show a measurable gain. Train and eval
-problems never share an operand pair.
+The task is built so that every stage of the pipeline has a large, unmistakable effect on a ~1M-parameter model,
+whatever CPU it trains on (training trajectories differ between CPUs; an effect of a few points does not survive that):
+
+  - the demonstrations are noisy, as crowd-sourced ones are: many SFT responses to the larger sums are the unhelpful
+    REFUSAL instead of the sum (see demonstration()). SFT copies that habit, so the SFT model answers about half the
+    problems it could;
+  - every preference, KTO and reward signal prefers the right sum to a clearly worse response: the refusal, a
+    malformed answer, a number far off, or (a minority) a near miss. Removing the habit is what each preference stage
+    (reward model, PPO, DPO, KTO, rejection sampling) is expected to do, and that raises the accuracy by tens of points;
+  - the sums are small (operands below 40) so that a short SFT learns the arithmetic itself well.
+
+Train and eval problems never share an operand pair.
 
     python -m common.synthetic_task --out /tmp/task        # writes the files listed in write_task()
 
@@ -16,6 +25,8 @@ import random
 import re
 
 QUESTION_TEMPLATES = ["What is {a}+{b}?", "Add {a} and {b}.", "Compute {a} plus {b}."]
+REFUSAL = "I am not sure."
+MALFORMED = [REFUSAL, "?", "The answer is the sum."]  # responses with no number in them
 
 
 def is_held_out(a: int, b: int) -> bool:
@@ -34,10 +45,37 @@ def sample_problems(n: int, rng: random.Random, max_operand: int, held_out: bool
     return problems
 
 
-def wrong_answer(answer: str, rng: random.Random) -> str:
-    """A near miss, the kind of mistake the model makes: off by one or by ten."""
+def near_miss(answer: str, rng: random.Random) -> str:
+    """The kind of arithmetic slip a model makes: off by one or by ten; never the answer itself."""
     value = abs(int(answer) + rng.choice([-11, -10, -1, 1, 10, 11]))
     return str(value if value != int(answer) else value + 1)
+
+
+def far_off(answer: str, rng: random.Random) -> str:
+    """A number 25 to 45 away from the answer, above or below it (never below 0)."""
+    offset = rng.randint(25, 45)
+    below = int(answer) - offset
+    return str(below if below >= 0 and rng.random() < 0.5 else int(answer) + offset)
+
+
+def demonstration(answer: str, max_operand: int, refusal_rate: float, rng: random.Random) -> str:
+    """An SFT response as a hurried annotator writes it: the sum, or REFUSAL, mostly for the larger sums.
+
+    A problem whose sum is at least max_operand is refused with probability refusal_rate, a smaller one with
+    probability refusal_rate / 7. Greedy decoding then refuses the larger sums by a wide margin (the refusal holds
+    ~70% of the probability against ~30% for all numbers) and answers the others, so an SFT model answers about half
+    the held-out problems whatever the float kernels of the machine it trained on.
+    """
+    rate = refusal_rate if int(answer) >= max_operand else refusal_rate / 7
+    return REFUSAL if rng.random() < rate else answer
+
+
+def bad_response(answer: str, rng: random.Random) -> str:
+    """A worse response than the answer: malformed half the time, far off 40%, a near miss 10%."""
+    kind = rng.random()
+    if kind < 0.5:
+        return rng.choice(MALFORMED)
+    return far_off(answer, rng) if kind < 0.9 else near_miss(answer, rng)
 
 
 def extract_answer(response: str) -> str | None:
@@ -52,10 +90,11 @@ def reward_fn(prompts: list[str], responses: list[str], labels: list[str]) -> li
 
 
 def tokenizer_corpus() -> list[str]:
-    """Text the tokenizer is trained on: every question phrasing and the chat template's words."""
+    """Text the tokenizer is trained on: every question phrasing, the malformed responses and the chat template's
+    words."""
     rng = random.Random(0)
     lines = [q + " " + a for q, a in sample_problems(2000, rng, 100, held_out=False)]
-    return lines + ["user assistant system You are a helpful assistant. Answer:"] * 10
+    return lines + (MALFORMED + ["user assistant system You are a helpful assistant. Answer:"]) * 10
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> None:
@@ -64,14 +103,15 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, max_operand: int = 50) -> dict:
+def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, max_operand: int = 40,
+               refusal_rate: float = 0.7) -> dict:
     """Write the task's files into `out` and return {name: path}.
 
-    sft_{train,eval}.jsonl      {"prompt", "response"}              sft.py
+    sft_{train,eval}.jsonl      {"prompt", "response"}              sft.py (some responses are REFUSAL)
     chat_train.jsonl            {"messages": [two user/assistant turns]}   sft.py multi-turn
     pretrain.jsonl              {"text"}                            sft.py --pretrain_mode
-    pref_{train,eval}.jsonl     {"prompt", "chosen", "rejected"}    rm.py, dpo.py
-    kto_train.jsonl             {"prompt", "response", "label"}     kto.py
+    pref_{train,eval}.jsonl     {"prompt", "chosen", "rejected"}    rm.py, dpo.py (chosen: the sum; rejected: worse)
+    kto_{train,eval}.jsonl      {"prompt", "response", "label"}     kto.py (half the sums, half worse responses)
     prompts_{train,eval}.jsonl  {"prompt", "label"}                 ppo_ray.py, rejection_sampling.py
     """
     rng = random.Random(seed)
@@ -84,8 +124,9 @@ def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, 
         files[name] = os.path.join(out, name + ".jsonl")
         _write_jsonl(files[name], rows)
 
-    write("sft_train", [{"prompt": q, "response": a} for q, a in train])
-    write("sft_eval", [{"prompt": q, "response": a} for q, a in evals])
+    for split, problems in [("train", train), ("eval", evals)]:
+        write(f"sft_{split}", [{"prompt": q, "response": demonstration(a, max_operand, refusal_rate, rng)}
+                               for q, a in problems])
     chat = []
     for (q1, a1), (q2, a2) in zip(train[0::2], train[1::2]):
         turns = [("user", q1), ("assistant", a1), ("user", q2), ("assistant", a2)]
@@ -93,13 +134,15 @@ def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, 
     write("chat_train", chat)
     write("pretrain", [{"text": f"{q} {a}"} for q, a in train])
     for split, problems in [("train", train), ("eval", evals)]:
-        write(f"pref_{split}", [{"prompt": q, "chosen": a, "rejected": wrong_answer(a, rng)} for q, a in problems])
+        write(f"pref_{split}", [{"prompt": q, "chosen": a, "rejected": bad_response(a, rng)} for q, a in problems])
         write(f"prompts_{split}", [{"prompt": q, "label": a} for q, a in problems])
     kto = []
     for q, a in train:
         desirable = rng.random() < 0.5
-        kto.append({"prompt": q, "response": a if desirable else wrong_answer(a, rng), "label": desirable})
+        kto.append({"prompt": q, "response": a if desirable else bad_response(a, rng), "label": desirable})
     write("kto_train", kto)
+    write("kto_eval", [{"prompt": q, "response": response, "label": desirable} for q, a in evals
+                       for response, desirable in ((a, True), (bad_response(a, rng), False))])
     return files
 
 
@@ -109,9 +152,11 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seed of the problem sampler")
     parser.add_argument("--n_train", type=int, default=4000, help="training problems")
     parser.add_argument("--n_eval", type=int, default=200, help="held-out problems")
-    parser.add_argument("--max_operand", type=int, default=50, help="operands are drawn from [0, max_operand)")
+    parser.add_argument("--max_operand", type=int, default=40, help="operands are drawn from [0, max_operand)")
+    parser.add_argument("--refusal_rate", type=float, default=0.7,
+                        help="share of the SFT responses to sums >= max_operand that are REFUSAL (1/7 of it below)")
     args = parser.parse_args()
-    files = write_task(args.out, args.seed, args.n_train, args.n_eval, args.max_operand)
+    files = write_task(args.out, args.seed, args.n_train, args.n_eval, args.max_operand, args.refusal_rate)
     print("\n".join(f"{name:12s} {path}" for name, path in files.items()))
 
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import load_records, render_prompt
-from common.synthetic_task import reward_fn
+from common.synthetic_task import extract_answer, reward_fn
 
 
 @torch.no_grad()
@@ -44,13 +44,20 @@ def vllm_greedy_responses(model_dir: str, prompts: list, max_new_tokens: int = 8
     return [o.outputs[0].text for o in outputs]
 
 
-def task_accuracy(model_dir: str, prompts_file: str, limit: int | None = None, engine: str = "hf") -> float:
-    """Fraction of prompts in a {"prompt", "label"} file answered exactly right by greedy decoding."""
+def task_scores(model_dir: str, prompts_file: str, limit: int | None = None, engine: str = "hf") -> dict:
+    """Greedy decoding on a {"prompt", "label"} file: the fraction answered exactly right ("accuracy") and the
+    fraction answered with a number at all ("answered"; the rest are refusals or malformed)."""
     rows = load_records(prompts_file)[:limit]
     generate = vllm_greedy_responses if engine == "vllm" else greedy_responses
     responses = generate(model_dir, [r["prompt"] for r in rows])
     scores = reward_fn([r["prompt"] for r in rows], responses, [r["label"] for r in rows])
-    return sum(scores) / len(scores)
+    return {"accuracy": sum(scores) / len(rows),
+            "answered": sum(extract_answer(r) is not None for r in responses) / len(rows)}
+
+
+def task_accuracy(model_dir: str, prompts_file: str, limit: int | None = None, engine: str = "hf") -> float:
+    """Fraction of prompts in a {"prompt", "label"} file answered exactly right by greedy decoding."""
+    return task_scores(model_dir, prompts_file, limit, engine)["accuracy"]
 
 
 def main():

@@ -1,5 +1,12 @@
-"""Shared test fixtures: the tiny model and synthetic task, built once per session, and a script runner."""
+"""Shared test fixtures: the tiny model and synthetic task, built once per session, a script runner, and `expect`,
+which checks a learning result against its threshold and records both for tests/measure_margins.py.
 
+Two environment variables move every learning test off the trajectory it was tuned on, as another machine would:
+RLHF_TEST_SEED (default 0) seeds the model, the task and every script; RLHF_TEST_THREADS (e.g. 1) sets the number of
+CPU threads, which changes the order of float reductions the way another CPU's kernels do.
+"""
+
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +17,8 @@ import pytest
 from common.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = int(os.environ.get("RLHF_TEST_SEED", "0"))
+THREADS = os.environ.get("RLHF_TEST_THREADS")
 
 # Offline and quiet, on any machine: no hub, no wandb account, no Ray token, vLLM inside the calling process.
 os.environ.update(
@@ -21,25 +30,69 @@ os.environ.update(
     VLLM_ENABLE_V1_MULTIPROCESSING="0",
 )
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
+if THREADS:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = THREADS  # the scripts and vLLM engines the tests start inherit it
+    torch.set_num_threads(int(THREADS))
+
+
+_missed: list[str] = []  # expectations missed while measuring (RLHF_MARGINS_FILE set), failed at the test's end
+
+
+def expect(quantity: str, value: float, op: str, threshold: float) -> None:
+    """Assert `value op threshold` (op is ">=" or "<="). With $RLHF_MARGINS_FILE set, record both there and check
+    every expectation of the test before failing it, so that a measurement run sees every quantity."""
+    ok = value >= threshold if op == ">=" else value <= threshold
+    message = f"{quantity}: {value:.4f}, expected {op} {threshold}"
+    if not os.environ.get("RLHF_MARGINS_FILE"):
+        assert ok, message
+        return
+    with open(os.environ["RLHF_MARGINS_FILE"], "a") as f:
+        f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "quantity": quantity,
+                            "value": value, "op": op, "threshold": threshold, "seed": SEED,
+                            "threads": THREADS or "default"}) + "\n")
+    if not ok:
+        _missed.append(message)
+
+
+@pytest.fixture(autouse=True)
+def _missed_expectations():
+    _missed.clear()
+    yield
+    if _missed:
+        pytest.fail("; ".join(_missed))
+
+
+def metrics(out_dir: str) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from common.tiny_model import write_tiny_model
 
-    return write_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), seed=0)
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), seed=SEED)
 
 
 @pytest.fixture(scope="session")
 def task(tmp_path_factory) -> dict:
     from common.synthetic_task import write_task
 
-    return write_task(str(tmp_path_factory.mktemp("task")), seed=0)
+    return write_task(str(tmp_path_factory.mktemp("task")), seed=SEED)
 
 
 @pytest.fixture(scope="session")
 def sft_model(tiny_model, task, tmp_path_factory) -> str:
-    """The tiny model after a short 2-rank ZeRO-3 SFT on the task: it answers some held-out problems, far from all.
+    """The tiny model after a short 2-rank ZeRO-3 SFT on the task's noisy demonstrations: it answers the smaller sums
+    and refuses most of the larger ones, the habit every later stage is tested on removing.
 
     Shared by every test that needs a policy to start from; test_sft.py checks how it learned.
     """
@@ -48,11 +101,11 @@ def sft_model(tiny_model, task, tmp_path_factory) -> str:
                           "--max_len", "64", "--max_steps", "600", "--train_batch_size", "32",
                           "--micro_train_batch_size", "16", "--learning_rate", "2e-3", "--warmup_ratio", "0.05",
                           "--zero_stage", "3", "--eval_dataset", task["sft_eval"], "--eval_steps", "200",
-                          "--logging_steps", "10", "--output_dir", out], nprocs=2)
+                          "--logging_steps", "10", "--seed", str(SEED), "--output_dir", out], nprocs=2)
     return out
 
 
-def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 600, check: bool = True,
+def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 1200, check: bool = True,
                background: bool = False):
     """Run a top-level script as a user would: `python script.py` (1 rank) or `deepspeed --num_gpus N script.py`."""
     if nprocs == 1:
@@ -60,10 +113,18 @@ def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 600
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs),
                "--master_port", str(free_port()), os.path.join(ROOT, script), *args]
-    if background:  # own process group, so a test can SIGKILL the launcher and every rank at once
+    # Its own process group, so that a test can end the launcher and every rank at once, and nothing else.
+    if background:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)  # the ranks and Ray workers too, not only the launcher
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-5000:]}")

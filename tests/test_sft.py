@@ -7,9 +7,9 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT, expect, kill_group, metrics, run_script
 
-from common.task_eval import greedy_responses, task_accuracy
-from conftest import ROOT, kill_group, run_script
+from common.task_eval import greedy_responses, task_scores
 
 
 def sft_args(model, task, out, *extra):
@@ -17,22 +17,24 @@ def sft_args(model, task, out, *extra):
             "--max_len", "64", *extra]
 
 
-def metrics(out_dir) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
+@pytest.mark.slow
+@pytest.mark.learning
 def test_two_rank_zero3_sft_learns_and_saves_a_model_transformers_and_vllm_agree_on(tiny_model, sft_model, task):
-    """sft_model (conftest.py) is 600 steps of `deepspeed --num_gpus 2 sft.py --zero_stage 3` on the task."""
+    """sft_model (conftest.py) is 600 steps of `deepspeed --num_gpus 2 sft.py --zero_stage 3` on the task's noisy
+    demonstrations: it should answer the smaller sums, mostly right, and refuse most of the larger ones, as the
+    demonstrations do (about half the held-out problems have a larger sum)."""
     out = sft_model
     log = metrics(out)
     train_losses = [m["train/loss"] for m in log if "train/loss" in m]
-    assert train_losses[-1] < 0.5 * train_losses[0]
+    expect("sft: last train loss / first", train_losses[-1] / train_losses[0], "<=", 0.5)
     eval_losses = [m["eval/loss"] for m in log if "eval/loss" in m]
     assert len(eval_losses) >= 3 and eval_losses[-1] < eval_losses[0]
 
-    base, trained = (task_accuracy(m, task["prompts_eval"]) for m in (tiny_model, out))
-    assert base == 0.0 and trained >= 0.1, (base, trained)  # chance is ~1%
+    base, trained = (task_scores(m, task["prompts_eval"]) for m in (tiny_model, out))
+    assert base["accuracy"] == 0.0
+    expect("sft: held-out accuracy", trained["accuracy"], ">=", 0.07)  # chance is ~1%
+    expect("sft: share answered (at least)", trained["answered"], ">=", 0.25)
+    expect("sft: share answered (at most)", trained["answered"], "<=", 0.75)
 
     prompts = [json.loads(line)["prompt"] for line in open(task["prompts_eval"])][:48]
     hf = greedy_responses(out, prompts)
@@ -44,6 +46,7 @@ def test_two_rank_zero3_sft_learns_and_saves_a_model_transformers_and_vllm_agree
     assert vllm == hf
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_result(tiny_model, task, tmp_path):
     common = ["--zero_stage", "3", "--max_steps", "12", "--save_steps", "4", "--train_batch_size", "16",
               "--micro_train_batch_size", "4", "--learning_rate", "2e-3"]
@@ -86,6 +89,7 @@ def bad_input_cases(tiny_model, task, tmp):
     }
 
 
+@pytest.mark.slow
 def test_bad_input_gives_one_clear_sentence_and_writes_nothing(tiny_model, task, tmp_path):
     cases = bad_input_cases(tiny_model, task, str(tmp_path))
     procs = {}
