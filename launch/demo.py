@@ -150,7 +150,7 @@ def main():
     d = {name: os.path.join(out, name) for name in ("base", "task", "sft", "rm", "ppo", "dpo", "kto", "rs")}
     task = lambda name: os.path.join(d["task"], name + ".jsonl")
     rule = "common/synthetic_task.py:reward_fn"
-    started, times = time.time(), {}
+    started, times, load = time.time(), {}, os.getloadavg()[0]  # other jobs on the cores slow every stage down
 
     run("setup", [PY, "-m", "common.tiny_model", "--out", d["base"]], logs, times)
     run("task", [PY, "-m", "common.synthetic_task", "--out", d["task"]], logs, times)
@@ -201,7 +201,8 @@ def main():
         f"{last_metric(d['kto'], 'eval/rewards/accuracies'):.1%} of held-out responses on the right side of 0 (KTO).",
     ])
     timing = (f"`make demo` on a {machine()}, {time.strftime('%Y-%m-%d')}: {time.time() - started:.0f} s in all "
-              f"(" + ", ".join(f"{k} {v:.0f}" for k, v in times.items() if v >= 1) + " s).")
+              f"(" + ", ".join(f"{k} {v:.0f}" for k, v in times.items() if v >= 1) + f" s; load average {load:.1f} "
+              "when it started).")
     rel = os.path.relpath  # paths as the user would type them from where they ran the demo
     summary = "\n".join([
         "# Demo results", "",
