@@ -43,7 +43,7 @@ import torch
 from common import memory_plan, rewards
 from common import ppo_tricks as tricks
 from common.args import UserError, check_model_path, parse_args, run_main
-from common.data import DataError, get_key, load_records, render_prompt
+from common.data import DataError, get_key, load_records, render_prompt, stream_indices
 from common.logging_utils import MetricsLogger, progress
 from common.ray_workers import (RayWorker, WorkerGroup, check_bundle_shares, check_resources, make_placement_group,
                                 use_gpus, wait)
@@ -258,13 +258,8 @@ class PolicyWorker(RayWorker):
     """One DeepSpeed rank of the actor (trained) or of the reference model (frozen)."""
 
     def setup(self, args: Args, path: str, trainable: bool, total_steps: int):
-        from common.deepspeed_utils import (
-            init_distributed,
-            init_eval_engine,
-            init_train_engine,
-            load_model,
-            load_tokenizer,
-        )
+        from common.deepspeed_utils import (init_distributed, init_eval_engine, init_train_engine, load_model,
+                                            load_tokenizer)
 
         self.args, self.trainable = args, trainable
         self.rank, self.world_size, self.local_rank = init_distributed()
@@ -310,8 +305,6 @@ class PolicyWorker(RayWorker):
         step and every rank trains on rows no other has had in this pass, and a resumed run, which passes the same
         step numbers, goes on with the rows it would have had.
         """
-        from common.data import stream_indices
-
         size = self.args.micro_train_batch_size
         start = (draw * self.world_size + self.rank) * size
         return [self.ptx[i] for i in stream_indices(len(self.ptx), min(size, len(self.ptx)), self.args.seed, start)]
@@ -388,13 +381,8 @@ class CriticWorker(PolicyWorker):
     def setup(self, args: Args, path: str, trainable: bool, total_steps: int):
         from transformers import AutoModelForSequenceClassification
 
-        from common.deepspeed_utils import (
-            init_distributed,
-            init_eval_engine,
-            init_train_engine,
-            load_model,
-            load_tokenizer,
-        )
+        from common.deepspeed_utils import (init_distributed, init_eval_engine, init_train_engine, load_model,
+                                            load_tokenizer)
 
         self.args, self.trainable = args, trainable
         self.rank, self.world_size, self.local_rank = init_distributed()
