@@ -113,6 +113,11 @@ def run_main(main, args) -> None:
 
         for bar in list(tqdm._instances):  # end any progress bar's line, so the error starts a line of its own
             bar.close()
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()  # joins Ray's threads that print worker deaths, so that none writes into the error's line
+        sys.stdout.flush()
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"error: {e}\n")  # one write: a line no other thread can split
+            sys.stderr.flush()
         sys.exit(2)

@@ -115,7 +115,8 @@ def test_a_dead_vllm_engine_stops_the_run_clearly_and_it_resumes(sft_model, task
             kill_group(proc)
     assert proc.returncode == 2, output[-3000:]
     error = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert len(error) == 1 and "vLLM engine died" in error[0] and "Rerun the same command to resume" in error[0]
+    assert len(error) == 1 and "vLLM engine died" in error[0] and "Rerun the same command to resume" in error[0], \
+        output[-3000:]
     saved = json.load(open(state))["step"]
     assert f"checkpoint of step {saved}" in error[0]
 
