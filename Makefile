@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup test test-fast demo bench lint clean
+.PHONY: setup test test-fast demo gpu-smoke bench lint clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ test-fast: setup
 
 demo: setup
 	$(PY) launch/demo.py --out out/demo
+
+# One step of each GPU path (bf16 SFT and DPO, PPO over NCCL, PPO --colocate_all on one GPU): the first thing to run
+# on a CUDA machine.
+gpu-smoke: setup
+	$(PY) launch/gpu_smoke.py --out out/gpu_smoke
 
 bench: setup
 	$(PY) bench/bench_sft.py

@@ -47,7 +47,7 @@ from common.data import DataError, get_key, load_records, render_prompt, stream_
 from common.logging_utils import MetricsLogger, progress
 from common.ray_workers import (RayWorker, WorkerGroup, check_bundle_shares, check_resources, make_placement_group,
                                 use_gpus, wait)
-from common.vllm_engine import create_vllm_engines
+from common.vllm_engine import SleepSchedule, create_vllm_engines
 from common.weight_sync import SYNC_TIMEOUT
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
@@ -689,6 +689,8 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
         dtype="auto" if use_gpus() else "float32", enforce_eager=not use_gpus(),
         logprobs_mode="processed_logprobs")
+    engine_sleep = SleepSchedule(engines, enabled=args.colocate_all)  # a recorded no-op where vLLM cannot sleep
+    engine_sleep.start()  # before the models load into the memory the engines give back
     actor_pg = shared or make_placement_group(args.actor_num_workers, cpus, "actor")
     roles = {"actor": WorkerGroup(PolicyWorker, actor_pg, shares["actor"], cpus,
                                   (args, args.pretrain, True, total_actor_steps), role="actor"), "engines": engines}
@@ -707,6 +709,8 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
             shared or make_placement_group(args.reward_num_workers, cpus, "reward"))
         roles["rewards"].append(WorkerGroup(CriticWorker, pg, shares["reward model"], cpus, (args, path, False, 0),
                                             role=f"reward model {i + 1}"))
+    engine_sleep.trainers = [roles[name] for name in ("actor", "ref", "critic") if name in roles] + roles["rewards"]
+    roles["engine_sleep"] = engine_sleep
     return roles
 
 
@@ -782,6 +786,7 @@ def main(args: Args):
         memory_plan.preflight(args)
     roles = place_roles(args, total_actor_steps)
     actor, critic, ref, engines = roles["actor"], roles.get("critic"), roles.get("ref"), roles["engines"]
+    engine_sleep = roles["engine_sleep"]
     wait(actor.call("init_weight_sync", engines), SYNC_TIMEOUT.total_seconds(),
          "actor rank 0 and the vLLM engines did not form their weight-sync group")
     os.makedirs(args.output_dir, exist_ok=True)
@@ -807,6 +812,7 @@ def main(args: Args):
         trained = [actor] + ([critic] if critic else [])
         ray.get([r for g, name in zip(trained, ("actor", "critic")) for r in
                  g.call("load_state", os.path.join(ckpt_dir, name), start_step)])
+        engine_sleep.before_sync()
         ray.get(actor.call("sync_weights", engines))
         print(f"resumed from {ckpt_dir} at step {start_step}")
     logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
@@ -821,7 +827,9 @@ def main(args: Args):
         os.replace(state_file + ".tmp", state_file)
 
     def evaluate():
+        engine_sleep.before_generate()
         outs = generate(engines, [p["ids"] for p in eval_prompts], 1, 0.0, 1.0, args.generate_max_len)
+        engine_sleep.after_generate()
         batch = build_batch([p["ids"] for p in eval_prompts], outs, tokenizer.eos_token_id, tokenizer.pad_token_id)
         texts = [tokenizer.decode(o[0]["token_ids"], skip_special_tokens=True) for o in outs]
         total, parts = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in eval_prompts], texts,
@@ -830,14 +838,6 @@ def main(args: Args):
             for p, text, reward in zip(eval_prompts, texts, total.tolist()):
                 f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")
         return {"eval/reward": total.mean(), **{"eval/" + k.split("/")[1]: v for k, v in parts.items()}}
-
-    # --colocate_all on GPUs: vLLM hands its memory back while the models train, and takes it again to generate.
-    engine_state = {"can_sleep": args.colocate_all and use_gpus(), "awake": True}
-
-    def engines_awake(awake: bool):
-        if engine_state["can_sleep"] and engine_state["awake"] != awake:
-            ray.get([e.wake_up.remote() if awake else e.sleep.remote() for e in engines])
-            engine_state["awake"] = awake
 
     def engine_died(error, step):
         done = json.load(open(state_file))["step"] if os.path.exists(state_file) else None
@@ -854,10 +854,10 @@ def main(args: Args):
         start = (step % per_pass) * args.rollout_batch_size
         picked = [prompts[order[(start + i) % len(prompts)]] for i in range(args.rollout_batch_size)]
         try:
-            engines_awake(True)
+            engine_sleep.before_generate()
             outs = generate(engines, [p["ids"] for p in picked], args.n_samples_per_prompt, args.temperature,
                             args.top_p, args.generate_max_len)
-            engines_awake(False)
+            engine_sleep.after_generate()
         except EngineDied as e:
             engine_died(e, step)
         timings["time/generate"] = time.time() - t0
@@ -896,7 +896,7 @@ def main(args: Args):
 
         # 4. send the new weights to vLLM
         t0 = time.time()
-        engines_awake(True)
+        engine_sleep.before_sync()
         try:
             sync = wait_for(actor.call("sync_weights", engines), engines, "the weight sync")[0]
         except EngineDied as e:

@@ -17,6 +17,7 @@ sentence naming it instead of hanging.
 import os
 
 import ray
+import torch
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -41,6 +42,11 @@ class RayWorker:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def empty_cache(self) -> None:
+        """Hand the blocks torch's CUDA allocator keeps cached back to the GPU, for a colocated vLLM engine to use."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def join_world(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         """Set the variables torch.distributed and DeepSpeed read; the worker's setup then calls init_distributed().

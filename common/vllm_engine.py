@@ -53,6 +53,7 @@ class VLLMEngine:
 
         self.use_gpu = use_gpu
         self.enable_sleep_mode = enable_sleep_mode
+        self.memory_log: list[tuple] = []
         self._tensor_parallel_size = tensor_parallel_size
         self.llm = vllm.LLM(
             model=pretrain_path,
@@ -114,16 +115,16 @@ class VLLMEngine:
             results.append(samples)
         return results
 
-    def init_weight_sync_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                               backend: str) -> None:
-        """Join every worker of this engine to the trainer's weight-sync group (see common/weight_sync.py)."""
-        self.llm.collective_rpc("weight_sync_init",
-                                args=(master_address, master_port, rank_offset, world_size, backend))
+    def init_weight_sync_group(self, master_address: str, master_port: int, ranks: list[int | None],
+                               world_size: int, backend: str) -> None:
+        """Join every worker of this engine to the trainer's weight-sync group as ranks[tensor-parallel rank], None
+        meaning CUDA IPC (see common/weight_sync.py)."""
+        self.llm.collective_rpc("weight_sync_init", args=(master_address, master_port, ranks, world_size, backend))
 
-    def update_weights(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> float:
-        """Receive one bucket of weights, listed as (name, dtype, shape), from the trainer's broadcast; returns the
-        seconds the slowest worker spent loading it."""
-        return max(self.llm.collective_rpc("weight_sync_receive_bucket", args=(meta,)))
+    def update_weights(self, meta: list[tuple[str, str, tuple[int, ...]]], handle: dict | None = None) -> float:
+        """Receive one bucket of weights, listed as (name, dtype, shape), from the trainer's broadcast, or its CUDA
+        IPC handle for a worker on the trainer's GPU; returns the seconds the slowest worker spent loading it."""
+        return max(self.llm.collective_rpc("weight_sync_receive_bucket", args=(meta, handle)))
 
     def finish_weight_update(self) -> float:
         """After the last bucket: finish loading, and forget cached KV, which the old weights computed; returns the
@@ -136,8 +137,8 @@ class VLLMEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Free the GPU for the trainer: level 1 moves the weights to CPU memory and drops the KV cache."""
-        if not self.use_gpu:
-            logger.warning("vLLM engine sleep() does nothing on CPU: the CPU backend has no sleep mode.")
+        self.memory_log.append(("sleep", level))
+        if not self.use_gpu:  # the CPU backend has no sleep mode; the call is recorded, so the order stays testable
             return
         if not self.enable_sleep_mode:
             raise RuntimeError("sleep() needs engines created with create_vllm_engines(..., enable_sleep_mode=True).")
@@ -145,12 +146,64 @@ class VLLMEngine:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Take the GPU memory back after `sleep`; `tags` (e.g. ["weights"]) wakes only part of it."""
+        self.memory_log.append(("wake_up", tags))
         if not self.use_gpu:
-            logger.warning("vLLM engine wake_up() does nothing on CPU: the CPU backend has no sleep mode.")
             return
         if not self.enable_sleep_mode:
             raise RuntimeError("wake_up() needs engines created with create_vllm_engines(..., enable_sleep_mode=True).")
         self.llm.wake_up(tags=tags)
+
+    def memory_events(self) -> list[tuple]:
+        """Every sleep and wake_up call this engine received, in order: ("sleep", level) or ("wake_up", tags)."""
+        return list(self.memory_log)
+
+
+class SleepSchedule:
+    """When colocated vLLM engines hold their GPU memory (--colocate_all): vLLM's sleep mode hands it to the
+    trainer's models between rollouts. In the order of a PPO step:
+
+        start()            engines just created -> sleep(1)           the models then load into the memory it freed
+        before_generate()  trainer frees its cached blocks -> wake    weights (first step only) and KV cache
+        after_generate()   sleep(1)                                   the models make experience and train
+        before_sync()      wake weights only                          the sync writes into them; no KV cache yet
+
+    Level 1 keeps a copy of the weights in CPU memory, so the first rollout uses the weights the engines loaded.
+    `trainers` are the worker groups on the engines' GPUs (common/ray_workers.WorkerGroup), set once they exist.
+    With `enabled` False (roles on separate GPUs) every call does nothing.
+    """
+
+    def __init__(self, engines: list, enabled: bool):
+        self.engines, self.enabled = engines, enabled
+        self.trainers: list = []
+        self.asleep: set[str] = set()
+
+    def _call(self, method: str, *args) -> None:
+        ray.get([getattr(engine, method).remote(*args) for engine in self.engines])
+
+    def _sleep(self) -> None:
+        if self.enabled and not self.asleep:
+            self._call("sleep", 1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list[str]) -> None:
+        tags = [tag for tag in tags if tag in self.asleep]
+        if self.enabled and tags:
+            self._call("wake_up", tags)
+            self.asleep -= set(tags)
+
+    def start(self) -> None:
+        self._sleep()
+
+    def before_generate(self) -> None:
+        if self.enabled and "kv_cache" in self.asleep:  # the blocks torch keeps cached would not fit the KV cache
+            ray.get([ref for group in self.trainers for ref in group.call("empty_cache")])
+        self._wake(["weights", "kv_cache"])
+
+    def after_generate(self) -> None:
+        self._sleep()
+
+    def before_sync(self) -> None:
+        self._wake(["weights"])
 
 
 def _worker_placement(worker) -> dict:

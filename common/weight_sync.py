@@ -1,8 +1,10 @@
 """Copy the trainer's weights into running vLLM engines, in buckets, over a process group of their own.
 
-The group joins trainer rank 0 (rank 0 of the group) and every vLLM worker (ranks 1..num_engines * tp). It is built
-from a TCPStore and a ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) object directly, so the default process group
-of either side (DeepSpeed's on the trainer, vLLM's own on each engine) is never touched.
+The group joins trainer rank 0 (rank 0 of the group) and the vLLM workers (ranks 1, 2, ...). It is built from a
+TCPStore and a ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPU) object directly, so the default process group of
+either side (DeepSpeed's on the trainer, vLLM's own on each engine) is never touched. A vLLM worker on trainer rank
+0's own GPU (--colocate_all) is not in the group, since NCCL refuses two ranks on one device: it gets each bucket as
+a CUDA IPC handle instead and copies the bucket straight out of the trainer's memory.
 
 One sync, seen from the trainer:
 
@@ -18,7 +20,9 @@ The vLLM side is `WeightSyncWorkerExtension`, which vLLM mixes into its worker c
 (`LLM(worker_extension_cls=...)`, see common/vllm_engine.py) and whose methods run there through `collective_rpc`.
 """
 
+import dataclasses
 import datetime
+import inspect
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -26,7 +30,6 @@ from collections.abc import Iterable, Iterator
 import ray
 import torch
 
-from common.args import UserError
 from common.net import free_port
 
 # How long a broadcast or the group's rendezvous waits for the other side before failing, instead of hanging.
@@ -77,36 +80,80 @@ def sync_transports(engines: list) -> list[str]:
     return plan_transports(trainer, [worker for engine in placements for worker in engine])
 
 
-def check_transports(transports: list[str]) -> None:
-    """Refuse a layout that needs CUDA IPC (not implemented yet) before NCCL fails on it with a duplicate GPU."""
-    if "ipc" in transports:
-        raise UserError("actor rank 0 and a vLLM worker share a GPU (--colocate_all), which NCCL cannot join in one "
-                        "group and the CUDA IPC weight transfer it needs is not implemented yet; run without "
-                        "--colocate_all, e.g. with --colocate_actor_ref and --colocate_critic_reward.")
+def group_ranks(transports: list[str], tp_sizes: list[int]) -> tuple[list[list[int | None]], int]:
+    """Each engine's list of its workers' ranks in the weight-sync group (None for a worker reached over CUDA IPC),
+    and the group's size: trainer rank 0 is rank 0, the other workers follow in engine order.
+
+    >>> group_ranks(["ipc", "nccl", "nccl", "nccl"], [2, 2])
+    ([[None, 1], [2, 3]], 4)
+    """
+    ranks, next_rank, workers = [], 1, iter(transports)
+    for tp in tp_sizes:
+        engine = []
+        for _ in range(tp):
+            if next(workers) == "ipc":
+                engine.append(None)
+            else:
+                engine.append(next_rank)
+                next_rank += 1
+        ranks.append(engine)
+    return ranks, next_rank
+
+
+@dataclasses.dataclass
+class WeightSyncGroup:
+    """The trainer's end of the weight sync: the process group to the workers on other devices (None when every
+    worker shares the trainer's GPU) and whether some worker takes CUDA IPC handles."""
+
+    group: object | None
+    ipc: bool
 
 
 def init_weight_sync_group(engines: list, master_address: str | None = None, master_port: int | None = None,
-                           backend: str | None = None):
+                           backend: str | None = None) -> WeightSyncGroup:
     """Build the trainer <-> vLLM group on trainer rank 0 and return the trainer's end of it.
 
-    Call it on trainer rank 0 only. The backend follows where Ray placed the trainer and the engines (NCCL between
-    GPUs, gloo on CPU, see plan_transports); the address defaults to this node's IP as Ray sees it, so engines on
-    other nodes can reach it.
+    Call it on trainer rank 0 only. The transports follow where Ray placed the trainer and the engines (NCCL between
+    GPUs, CUDA IPC on the trainer's own GPU, gloo on CPU, see plan_transports); the address defaults to this node's
+    IP as Ray sees it, so engines on other nodes can reach it.
     """
     transports = sync_transports(engines)
-    check_transports(transports)
     backend = backend or ("nccl" if "nccl" in transports else "gloo")
     master_address = master_address or ray.util.get_node_ip_address()
     master_port = master_port or free_port()
     tp_sizes = ray.get([engine.tensor_parallel_size.remote() for engine in engines])
-    world_size = 1 + sum(tp_sizes)
-    rank_offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
+    ranks, world_size = group_ranks(transports, tp_sizes)
     # The engines' rendezvous blocks until this process joins too, so start theirs first and wait for them after.
-    refs = [engine.init_weight_sync_group.remote(master_address, master_port, offset, world_size, backend)
-            for engine, offset in zip(engines, rank_offsets)]
-    group = new_process_group(master_address, master_port, 0, world_size, backend)
+    refs = [engine.init_weight_sync_group.remote(master_address, master_port, engine_ranks, world_size, backend)
+            for engine, engine_ranks in zip(engines, ranks)]
+    group = new_process_group(master_address, master_port, 0, world_size, backend) if world_size > 1 else None
     ray.get(refs)
-    return group
+    return WeightSyncGroup(group, "ipc" in transports)
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU behind `device`, the same in every process whatever CUDA_VISIBLE_DEVICES numbers it."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def ipc_handle(tensor: torch.Tensor) -> dict:
+    """What another process on the same GPU needs to map `tensor`'s memory (torch's own CUDA IPC pickling)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(tensor)
+    return {"gpu": gpu_uuid(tensor.device), "args": args}
+
+
+def tensor_from_ipc(handle: dict, device: torch.device) -> torch.Tensor:
+    """The tensor behind `ipc_handle(...)`, mapped into this process on `device`, which must be the same GPU."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if handle["gpu"] != gpu_uuid(device):
+        raise RuntimeError(f"a CUDA IPC weight bucket from GPU {handle['gpu']} reached a vLLM worker on GPU "
+                           f"{gpu_uuid(device)}; only a worker on the trainer's own GPU can map it.")
+    args = dict(zip(inspect.signature(rebuild_cuda_tensor).parameters, handle["args"]))
+    args["storage_device"] = device.index  # the sender's index for this GPU may differ from ours
+    return rebuild_cuda_tensor(**args)
 
 
 def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
@@ -134,8 +181,8 @@ def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], engines: list, group,
-                              bucket_bytes: int = 256 * 2**20) -> dict:
+def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], engines: list,
+                              sync: WeightSyncGroup, bucket_bytes: int = 256 * 2**20) -> dict:
     """Send every (name, tensor) to all engines in buckets of up to `bucket_bytes`, then make the engines use them.
 
     Runs on trainer rank 0. Each tensor is copied into the bucket as soon as it arrives, so `named_params` may free
@@ -154,10 +201,15 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
 
     def send(flat: torch.Tensor, meta: list[tuple[str, str, tuple[int, ...]]]):
         nonlocal in_flight
-        refs = [engine.update_weights.remote(meta) for engine in engines]
-        group.broadcast(flat, 0).wait()
+        handle = ipc_handle(flat) if sync.ipc else None
+        refs = [engine.update_weights.remote(meta, handle) for engine in engines]
+        if sync.group is not None:
+            sync.group.broadcast(flat, 0).wait()
         wait_loads(in_flight)
         in_flight = refs
+        if sync.ipc:  # a worker reads this very buffer, which the next bucket overwrites: wait until it has copied it
+            wait_loads(in_flight)
+            in_flight = []
         stats["weight_sync/buckets"] += 1
         stats["weight_sync/bytes"] += flat.numel() * flat.element_size()
 
@@ -183,6 +235,8 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
         send(buffer[:used], meta)
     wait_loads(in_flight)
     wait_loads([engine.finish_weight_update.remote() for engine in engines])
+    if sync.ipc:
+        torch.cuda.ipc_collect()  # free the buckets' memory, which the workers have let go of
     stats["weight_sync/seconds"] = time.perf_counter() - start_time
     return stats
 
@@ -195,29 +249,37 @@ class WeightSyncWorkerExtension:
     already has, and vLLM's workers have a weight-transfer API of their own (update_weights, finish_weight_update).
     """
 
-    def weight_sync_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+    def weight_sync_init(self, master_address: str, master_port: int, ranks: list[int | None], world_size: int,
                          backend: str) -> None:
-        """Join the trainer's weight-sync group as rank `rank_offset` + this worker's tensor-parallel rank."""
-        self._weight_sync_group = new_process_group(master_address, master_port, rank_offset + self.rank, world_size,
-                                                    backend)
+        """Join the trainer's weight-sync group as rank `ranks[tensor-parallel rank]`, or, where that is None, take
+        buckets over CUDA IPC (this worker shares the trainer's GPU)."""
+        rank = ranks[self.rank]
+        self._weight_sync_ipc = rank is None
+        self._weight_sync_group = None if rank is None else new_process_group(master_address, master_port, rank,
+                                                                              world_size, backend)
         self._weight_reload_open = False
 
-    def weight_sync_receive_bucket(self, meta: list[tuple[str, str, tuple[int, ...]]]) -> float:
-        """Receive one bucket from the trainer's broadcast and load its tensors into the model; returns the seconds
-        spent loading (after the receive)."""
+    def weight_sync_receive_bucket(self, meta: list[tuple[str, str, tuple[int, ...]]],
+                                   handle: dict | None = None) -> float:
+        """Receive one bucket, from the trainer's broadcast or its CUDA IPC `handle`, and load its tensors into the
+        model; returns the seconds spent loading (after the receive)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        if not hasattr(self, "_weight_sync_group"):
+        if not hasattr(self, "_weight_sync_ipc"):
             raise RuntimeError("this vLLM worker has no weight-sync group; call init_weight_sync_group(engines) "
                                "on the trainer before broadcast_weights_to_vllm.")
         dtype = getattr(torch, meta[0][1])
         sizes = [math.prod(shape) for _, _, shape in meta]
         # A fresh buffer per bucket, never reused: vLLM keeps views of it until every shard of a fused layer arrived,
         # and a layer's shards (q_proj in this bucket, k_proj in the next) may straddle buckets.
-        flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)  # (bucket numel,)
-        # Receive before anything can fail, so that this worker never leaves the trainer's broadcast unmatched.
-        self._weight_sync_group.broadcast(flat, 0).wait()
+        if self._weight_sync_ipc:  # copied out at once: the trainer reuses its buffer once this call returns
+            flat = tensor_from_ipc(handle, self.device).clone()
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)  # (bucket numel,)
+            # Receive before anything can fail, so that this worker never leaves the trainer's broadcast unmatched.
+            self._weight_sync_group.broadcast(flat, 0).wait()
         start = time.perf_counter()
         tensors = [(name, t.view(shape)) for (name, _, shape), t in zip(meta, flat.split(sizes))]
 

@@ -6,6 +6,7 @@ imports, since every probe is a Ray worker process of its own and a simulated 16
 """
 
 import os
+import time
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -27,7 +28,11 @@ class ProbeWorker(RayWorker):
     """A role's rank: joins its world like the real workers (RayWorker.join_world) but loads nothing."""
 
     def setup(self, role: str, share: float) -> None:
-        self.role, self.share = role, share
+        self.role, self.share, self.setup_time = role, share, time.time()
+
+    def started(self) -> float:
+        """When this worker loaded its (absent) model."""
+        return self.setup_time
 
     def report(self) -> dict:
         return {"role": self.role, **report()}
@@ -61,7 +66,9 @@ class ProbeEngine:
 
     def __init__(self, pretrain_path, seed, max_model_len, tensor_parallel_size, gpu_memory_utilization,
                  enforce_eager, dtype, enable_sleep_mode, use_gpu, bundle_indices, llm_kwargs):
-        self.tp, self.bundle_indices = tensor_parallel_size, bundle_indices
+        self.tp, self.bundle_indices, self.use_gpu = tensor_parallel_size, bundle_indices, use_gpu
+        self.enable_sleep_mode = enable_sleep_mode
+        self.slept_at = []
         self.workers = []
         if bundle_indices is not None:
             pg = ray.util.get_current_placement_group()
@@ -76,6 +83,13 @@ class ProbeEngine:
 
     def ready(self) -> bool:
         return True
+
+    def sleep(self, level: int = 1) -> None:
+        assert self.enable_sleep_mode or not self.use_gpu, "sleep() on a GPU engine created without sleep mode"
+        self.slept_at.append(time.time())
+
+    def sleep_times(self) -> list[float]:
+        return self.slept_at
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

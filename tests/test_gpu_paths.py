@@ -4,7 +4,8 @@
   backward that never uses them);
 - flash-attention only in bf16/fp16, where its kernels run;
 - the experience phase's forwards run at --micro_rollout_batch_size, not the training micro-batch;
-- under `deepspeed ppo_ray.py` only the process of RANK 0 drives; the others exit 0 with one line.
+- under `deepspeed ppo_ray.py` only the process of RANK 0 drives; the others exit 0 with one line;
+- the weight-sync group leaves out a vLLM worker on the trainer's own GPU, which takes CUDA IPC handles instead.
 """
 
 import os
@@ -98,3 +99,33 @@ def test_deepspeed_launcher_on_a_two_gpu_host_starts_one_driver(tmp_path):
     assert "ppo_ray.py: launcher rank 1 exits; the process of rank 0 drives the run" in output, output[-3000:]
     assert output.count("error: no reward source") == 1, output[-3000:]
     assert result.returncode == 2, output[-3000:]
+
+
+@pytest.mark.parametrize("transports,tp_sizes,ranks,size", [
+    (["gloo", "gloo"], [1, 1], [[1], [2]], 3),                      # CPU
+    (["ipc", "nccl", "nccl", "nccl"], [1, 1, 1, 1], [[None], [1], [2], [3]], 4),  # --colocate_all, 4 GPUs
+    (["ipc", "nccl", "nccl", "nccl"], [2, 2], [[None, 1], [2, 3]], 4),  # --colocate_all, tensor parallel 2
+    (["ipc"], [1], [[None]], 1),                                     # one GPU for everything: no group at all
+])
+def test_weight_sync_group_leaves_out_the_workers_on_the_trainers_gpu(transports, tp_sizes, ranks, size):
+    from common.weight_sync import group_ranks
+
+    assert group_ranks(transports, tp_sizes) == (ranks, size)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_smoke_commands_use_flags_the_scripts_have(gpus):
+    """`make gpu-smoke` runs on the first GPU machine, where a misspelt flag would be found too late."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import gpu_smoke
+
+    from test_launch import parser_for
+
+    stages = dict(gpu_smoke.commands("/out", gpus))
+    assert ("ppo" in stages) == (gpus >= 2) and "ppo_all" in stages and "--colocate_all" in stages["ppo_all"]
+    for stage, cmd in stages.items():
+        script = next((w[:-3] for w in cmd if w.endswith(".py")), None)
+        if script is None:  # python -m common.tiny_model / common.synthetic_task
+            continue
+        flags = cmd[cmd.index(script + ".py") + 1:]
+        parser_for(script).parse_args(flags)  # exits, failing the test, on a flag or value the script refuses

@@ -9,8 +9,8 @@ weight-sync transport. What a first GPU run would otherwise find out:
   - LOCAL_RANK names a device the worker can see (DeepSpeed calls torch.cuda.set_device(LOCAL_RANK));
   - no GPU carries more than 1.0 of requests;
   - no two ranks of one NCCL group (a role's DeepSpeed world, the weight-sync group) share a GPU (NCCL refuses);
-  - a vLLM worker on actor rank 0's own GPU (--colocate_all) is planned over CUDA IPC, and refused in one sentence
-    as long as that transfer is not implemented;
+  - a vLLM worker on actor rank 0's own GPU (--colocate_all) is planned over CUDA IPC and left out of the
+    weight-sync group;
   - every wait on start-up ends, in one sentence naming the role, instead of hanging.
 """
 
@@ -19,6 +19,7 @@ import glob
 import inspect
 import os
 import re
+import sys
 import textwrap
 import time
 from collections import defaultdict
@@ -32,7 +33,7 @@ from test_launch import invocations, shell_text
 import ppo_ray
 from common import ray_workers, vllm_engine
 from common.args import UserError, parse_args
-from common.weight_sync import check_transports
+from common.weight_sync import group_ranks
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -131,7 +132,7 @@ def stop_cluster(cluster) -> None:
 def collect(roles: dict) -> tuple[list[dict], list[dict], list[str]]:
     """(every trainer-side rank's report with its role and bundle, every vLLM worker's report with its engine,
     the weight-sync transport to each vLLM worker as actor rank 0 plans it)."""
-    groups = [(name, g) for name, g in roles.items() if name not in ("rewards", "engines")]
+    groups = [(name, g) for name, g in roles.items() if name not in ("rewards", "engines", "engine_sleep")]
     groups += [(f"reward model {i + 1}", g) for i, g in enumerate(roles["rewards"])]
     ranks = []
     for name, group in groups:
@@ -174,15 +175,30 @@ def check_layout(ranks: list[dict], workers: list[dict], transports: list[str]) 
     assert len(set(nccl)) == len(nccl), f"the weight-sync NCCL group puts two ranks on one GPU: {nccl}"
     for w, t in zip(workers, transports):  # a vLLM worker on the trainer's own GPU is reached over CUDA IPC
         assert (t == "ipc") == (gpu(w) == gpu(trainer)), (w, t)
-    if "ipc" in transports:  # until CUDA IPC is implemented, such a layout stops with a sentence, not an NCCL error
-        with pytest.raises(UserError, match="CUDA IPC weight transfer it needs is not implemented yet"):
-            check_transports(transports)
+    tp_sizes = [sum(w["role"] == engine for w in workers) for engine in dict.fromkeys(w["role"] for w in workers)]
+    ranks, world_size = group_ranks(transports, tp_sizes)  # the weight-sync group: trainer rank 0 and NCCL workers
+    assert world_size == 1 + transports.count("nccl")
+    assert [r is None for engine in ranks for r in engine] == [t == "ipc" for t in transports]
 
 
 def place(args: ppo_ray.Args) -> tuple[list[dict], list[dict], list[str]]:
-    ranks, workers, transports = collect(ppo_ray.place_roles(args, 1))
+    roles = ppo_ray.place_roles(args, 1)
+    ranks, workers, transports = collect(roles)
     check_layout(ranks, workers, transports)
+    check_engines_sleep_first(args, roles)
     return ranks, workers, transports
+
+
+def check_engines_sleep_first(args: ppo_ray.Args, roles: dict) -> None:
+    """Under --colocate_all every engine has gone to sleep (handing its GPU memory back) before any model loads:
+    vLLM takes --vllm_gpu_memory_utilization of the GPU at start, which the models would otherwise not find."""
+    slept = [ray.get(engine.sleep_times.remote(), timeout=60) for engine in roles["engines"]]
+    if not args.colocate_all:
+        assert slept == [[] for _ in slept], slept
+        return
+    groups = [g for name, g in roles.items() if name not in ("rewards", "engines", "engine_sleep")] + roles["rewards"]
+    first_load = min(t for g in groups for t in ray.get(g.call("started"), timeout=60))
+    assert all(len(times) == 1 and times[0] < first_load for times in slept), (slept, first_load)
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -282,3 +298,25 @@ def test_start_up_code_waits_on_ray_only_with_a_timeout():
                "ppo_ray.place_roles": inspect.getsource(ppo_ray.place_roles)}
     unbounded = {where: calls for where, source in sources.items() if (calls := ray_gets_without_timeout(source))}
     assert not unbounded, f"start-up waits without a timeout: {unbounded}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_smoke_layouts_fit_the_gpus_it_runs_on(gpus, model, probes):
+    """`make gpu-smoke` (launch/gpu_smoke.py) places its PPO runs on a machine with 1 or 2 GPUs."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import gpu_smoke
+
+    for stage, cmd in gpu_smoke.commands("/out", gpus):
+        if "ppo_ray.py" not in cmd:
+            continue
+        flags = cmd[cmd.index("ppo_ray.py") + 1:]
+        flags[flags.index("--pretrain") + 1] = "$SFT"
+        cluster = start_cluster(1, gpus=gpus, cpus=4)
+        try:
+            ranks, workers, transports = place(layout_args(flags, model))
+        finally:
+            stop_cluster(cluster)
+        used = {gpu(rep) for rep in ranks + workers}
+        assert len(used) == (1 if stage == "ppo_all" else 2), (stage, used)
+        assert transports == (["ipc"] if stage == "ppo_all" else ["nccl"]), (stage, transports)

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.args import UserError
 from common.net import free_port
 from common.tiny_model import write_tiny_model
-from common.vllm_engine import create_vllm_engines
+from common.vllm_engine import SleepSchedule, create_vllm_engines
 from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 pytestmark = pytest.mark.slow
@@ -167,6 +167,44 @@ def test_sleep_and_wake_up_do_nothing_on_cpu(stack):
     ray.get(engine.sleep.remote())
     ray.get(engine.wake_up.remote())
     assert len(vllm_greedy(engine, prompts)[0]) == len(prompts)
+
+
+class CacheFreeingTrainers:
+    """What SleepSchedule asks of a trainer worker group: call("empty_cache"). Notes how many sleep/wake calls the
+    engine had received by then."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, []
+
+    def call(self, method: str) -> list:
+        assert method == "empty_cache", method
+        self.seen.append(len(ray.get(self.engine.memory_events.remote())))
+        return []
+
+
+def test_colocated_engines_sleep_and_wake_in_the_order_the_gpu_needs(stack):
+    """--colocate_all's memory choreography (common/vllm_engine.SleepSchedule), as the engine receives it; on CPU
+    the engine records the calls and keeps its memory, so the order is checked here and the memory on GPUs."""
+    engine = stack["engines"][0]
+    off = SleepSchedule([engine], enabled=False)
+    before = len(ray.get(engine.memory_events.remote()))
+    for phase in (off.start, off.before_generate, off.after_generate, off.before_sync, off.before_generate):
+        phase()
+    assert len(ray.get(engine.memory_events.remote())) == before  # separate GPUs: the engines never sleep
+
+    schedule = SleepSchedule([engine], enabled=True)
+    schedule.trainers = [CacheFreeingTrainers(engine)]
+    schedule.start()  # created -> asleep, before the models load
+    for _ in range(2):  # two PPO steps: generate, (experience, train), sync
+        schedule.before_generate()
+        assert len(vllm_greedy(engine, stack["prompts"])[0]) == len(stack["prompts"])
+        schedule.after_generate()
+        schedule.before_sync()
+    events = ray.get(engine.memory_events.remote())[before:]
+    assert events == [("sleep", 1), ("wake_up", ["weights", "kv_cache"]), ("sleep", 1), ("wake_up", ["weights"]),
+                      ("wake_up", ["kv_cache"]), ("sleep", 1), ("wake_up", ["weights"])]
+    # the trainers free their cached blocks before each wake of the KV cache, which needs that memory
+    assert schedule.trainers[0].seen == [before + 1, before + 4]
 
 
 def test_clear_errors_before_any_engine_starts(stack, tmp_path):

@@ -1,0 +1,92 @@
+"""One step of every GPU path, for the first run on a CUDA machine: `make gpu-smoke`.
+
+The CPU test suite proves the GPU paths by simulation (tests/test_placement.py, tests/test_gpu_paths.py); this is
+the check on the real thing, a few minutes on a tiny model and the synthetic task:
+
+    sft       deepspeed --num_gpus 1 sft.py          bf16, NCCL, flash attention when installed
+    dpo       deepspeed --num_gpus 1 dpo.py          a frozen ZeRO-3 reference beside the policy
+    ppo       python ppo_ray.py                      actor + reference on GPU 0, the vLLM engine on GPU 1 (NCCL sync)
+    ppo_all   python ppo_ray.py --colocate_all       everything on one GPU: vLLM's sleep mode, CUDA IPC sync
+
+Each stage prints "ok" with its time, or its log's last lines and the command to rerun it. `ppo` needs 2 GPUs and
+is skipped, saying so, on a machine with one.
+
+    python launch/gpu_smoke.py --out out/gpu_smoke
+"""
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+DEEPSPEED_1 = [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "1"]  # what `deepspeed --num_gpus 1` runs
+
+
+def commands(out: str, gpus: int) -> list[tuple[str, list[str]]]:
+    """(stage, command) in order; stages needing more GPUs than `gpus` are left out."""
+    task = os.path.join(out, "task")
+    model, sft = os.path.join(out, "base"), os.path.join(out, "sft")
+    data = {name: os.path.join(task, name + ".jsonl") for name in ("sft_train", "pref_train", "prompts_train")}
+    rule = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
+    ppo = [PY, "ppo_ray.py", "--pretrain", sft, "--prompt_data", data["prompts_train"], "--apply_chat_template",
+           "--reward_fn", rule, "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4",
+           "--rollout_batch_size", "8", "--train_batch_size", "32", "--micro_train_batch_size", "8",
+           "--prompt_max_len", "64", "--generate_max_len", "8", "--max_steps", "2",
+           "--vllm_gpu_memory_utilization", "0.3"]
+    stages = [
+        ("base", [PY, "-m", "common.tiny_model", "--out", model]),
+        ("task", [PY, "-m", "common.synthetic_task", "--out", task]),
+        ("sft", [*DEEPSPEED_1, "sft.py", "--pretrain", model, "--dataset", data["sft_train"], "--apply_chat_template",
+                 "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_steps", "4",
+                 "--output_dir", sft]),
+        ("dpo", [*DEEPSPEED_1, "dpo.py", "--pretrain", sft, "--dataset", data["pref_train"], "--apply_chat_template",
+                 "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_steps", "2",
+                 "--output_dir", os.path.join(out, "dpo")]),
+    ]
+    if gpus >= 2:
+        stages.append(("ppo", [*ppo, "--colocate_actor_ref", "--output_dir", os.path.join(out, "ppo")]))
+    stages.append(("ppo_all", [*ppo, "--colocate_all", "--output_dir", os.path.join(out, "ppo_all")]))
+    return stages
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out/gpu_smoke", help="output folder (emptied first)")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("error: make gpu-smoke checks the CUDA paths and this machine has no CUDA GPU; on CPU run make demo.")
+    gpus = torch.cuda.device_count()
+    shutil.rmtree(args.out, ignore_errors=True)
+    os.makedirs(args.out)
+    stages = commands(os.path.abspath(args.out), gpus)
+    if gpus < 2:
+        print("ppo (roles on separate GPUs) skipped: it needs 2 GPUs and this machine has 1.")
+    failed = []
+    for stage, cmd in stages:
+        log = os.path.join(args.out, stage + ".log")
+        start = time.time()
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        if code == 0:
+            print(f"{stage:8} ok in {time.time() - start:.0f} s")
+            continue
+        with open(log) as f:
+            tail = f.read().splitlines()[-25:]
+        print(f"{stage:8} FAILED (exit {code}); the end of {log}:\n  " + "\n  ".join(tail)
+              + f"\n  rerun: {shlex.join(cmd)}")
+        failed.append(stage)
+        if stage in ("base", "task", "sft"):  # every later stage starts from these
+            break
+    print("gpu-smoke: " + (f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "every stage ran"))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
