@@ -15,6 +15,11 @@ of its own and vLLM generates:
     python ppo_ray.py --pretrain SFT --reward_pretrain RM --prompt_data prompts.jsonl --apply_chat_template
     deepspeed ppo_ray.py ...        # the same: one driver process; Ray starts the workers
 
+The file reads top to bottom: the flags; the PPO math (losses, advantages); make_experience, which turns vLLM's
+samples into what the update needs; the workers, one class per role (ActorWorker.fit is the PPO update); then the
+driver: placement, and train(), whose loop names the four phases of a step (generate, make experience, train,
+sync weights).
+
 Implementation details, where they happen below:
   - the reward-model score is placed on the final (EOS) token; the per-token KL penalty -beta * KL(pi || pi_ref)
     is added to every token (Ziegler et al. 2019), with a fixed or adaptive beta;
@@ -33,7 +38,6 @@ Implementation details, where they happen below:
 import json
 import os
 import random
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,10 +48,10 @@ from common import memory_plan, rewards
 from common import ppo_tricks as tricks
 from common.args import UserError, check_model_path, parse_args, run_main
 from common.data import DataError, get_key, load_records, render_prompt, stream_indices
-from common.logging_utils import MetricsLogger, progress
-from common.ray_workers import (RayWorker, WorkerGroup, check_bundle_shares, check_resources, make_placement_group,
-                                use_gpus, wait)
-from common.vllm_engine import SleepSchedule, create_vllm_engines
+from common.logging_utils import MetricsLogger, progress, timed
+from common.ray_workers import (RayWorker, WorkerGroup, check_bundle_shares, check_resources, gather,
+                                make_placement_group, shard, use_gpus, wait)
+from common.vllm_engine import EngineDied, SleepSchedule, create_vllm_engines, generate, wait_for
 from common.weight_sync import SYNC_TIMEOUT
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
@@ -235,7 +239,7 @@ def compute_advantages(args, scores, kl, values, mask, kl_coef):
     rloo's token returns (mean removed over all tokens) would bring back a baseline that depends on the response's
     length, which undoes the leave-one-out estimator's unbiasedness (Ahmadian et al. 2024).
     """
-    if args.advantage_estimator == "grpo":  # KL goes into the loss instead (see PolicyWorker.fit)
+    if args.advantage_estimator == "grpo":  # KL goes into the loss instead (see ActorWorker.fit)
         group = tricks.group_advantages(scores, args.n_samples_per_prompt, "grpo")
         advantages = group[:, None] * mask
         return advantages, advantages
@@ -253,26 +257,184 @@ def compute_advantages(args, scores, kl, values, mask, kl_coef):
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-# --------------------------------------------------------------------------------------------------- workers
-class PolicyWorker(RayWorker):
-    """One DeepSpeed rank of the actor (trained) or of the reference model (frozen)."""
+# ------------------------------------------------------------------------------------------------- experience
+def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], eos_id: int, pad_id: int) -> dict:
+    """Right-padded tensors for prompt + response sequences; the masks say which tokens were generated.
 
-    def setup(self, args: Args, path: str, trainable: bool, total_steps: int):
+    action_mask (batch, seq - 1) is 1 where the next token is a response token, the layout every per-token tensor
+    (log-probs, values, rewards, advantages) shares. rm_input_ids ends every sequence with EOS, as rm.py trained on.
+    """
+    rows, prompt_lens, vllm_logprobs = [], [], []
+    for ids, outs in zip(prompt_ids, samples):
+        for out in outs:
+            rows.append(ids + out["token_ids"])
+            prompt_lens.append(len(ids))
+            vllm_logprobs.append(out["logprobs"] or [])
+    length = max(map(len, rows))
+    batch_size = len(rows)
+    input_ids = torch.full((batch_size, length), pad_id)  # (batch, seq)
+    attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
+    action_mask = torch.zeros(batch_size, length - 1)
+    rm_input_ids = torch.full((batch_size, length + 1), pad_id)
+    rm_attention_mask = torch.zeros(batch_size, length + 1, dtype=torch.long)
+    vllm_lp = torch.zeros(batch_size, length - 1)
+    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        action_mask[i, p - 1: len(row) - 1] = 1
+        vllm_lp[i, p - 1: p - 1 + len(vllm_logprobs[i])] = torch.tensor(vllm_logprobs[i])
+        rm_row = row if row[-1] == eos_id else row + [eos_id]
+        rm_input_ids[i, : len(rm_row)] = torch.tensor(rm_row)
+        rm_attention_mask[i, : len(rm_row)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "action_mask": action_mask, "rm_input_ids": rm_input_ids, "rm_attention_mask": rm_attention_mask,
+            "vllm_logprobs": vllm_lp}
+
+
+def score(args: Args, reward_models: list, reward_fn, batch: dict, prompts: list, responses: list[str],
+          labels: list) -> tuple[torch.Tensor, dict]:
+    """The reward of every sequence (batch,): the weighted sum (rewards.combine_rewards) of each reward model's
+    score, the rule function's and the remote RM's, clipped to --reward_clip; and each source's mean."""
+    micro = micro_rollout(args)
+    pending = [group.call_sharded("scores", shard(batch, len(group), micro)) for group in reward_models]  # all at once
+    sources, metrics = [], {}
+    for i, parts in enumerate(pending):
+        sources.append(gather(parts, len(responses)))
+        metrics[f"rewards/rm{i}"] = sources[-1].mean()
+    if reward_fn:
+        sources.append(torch.tensor(rewards.call_reward_fn(reward_fn, prompts, responses, labels), dtype=torch.float))
+        metrics["rewards/rule"] = sources[-1].mean()
+    if args.remote_rm_url:
+        sources.append(torch.tensor(rewards.remote_reward(args.remote_rm_url, prompts, responses, labels)))
+        metrics["rewards/remote"] = sources[-1].mean()
+    weights = rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
+    return rewards.combine_rewards(sources, weights).clamp(-args.reward_clip, args.reward_clip), metrics
+
+
+def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[list[dict]], tokenizer, reward_fn,
+                    kl_coef: float) -> tuple[dict, dict]:
+    """What the PPO update needs to know about this step's responses, and metrics about them.
+
+    `samples[i]` are vLLM's responses to `prompts[i]`. The experience holds build_batch's sequences and masks, and,
+    all (batch, seq - 1) in the action_mask layout: the actor's log-probs as it was when sampling (`old_logprobs`),
+    the reference model's, the critic's values, and from them and the rewards the advantages and returns. The
+    actor, reference, critic and reward-model forwards run at the same time, each role on its own workers.
+    """
+    n = args.n_samples_per_prompt
+    batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rows = len(batch["input_ids"])
+    actor, ref, critic = roles["actor"], roles.get("ref"), roles.get("critic")
+    micro = micro_rollout(args)  # shard() pads a batch that does not split evenly; gather() drops the padding
+    actor_logprobs = actor.call_sharded("logprobs", shard(batch, len(actor), micro))
+    ref_logprobs = ref.call_sharded("logprobs", shard(batch, len(ref), micro)) if ref else None
+    critic_values = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
+    responses = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in samples for s in group]
+    scores, metrics = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in prompts for _ in range(n)],
+                            responses, [p["label"] for p in prompts for _ in range(n)])
+
+    mask = batch["action_mask"]
+    old_logprobs = gather(actor_logprobs, rows)
+    ref_logprobs = gather(ref_logprobs, rows) if ref else old_logprobs
+    values = gather(critic_values, rows) if critic else torch.zeros_like(old_logprobs)
+    token_kl = tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)  # (batch, seq - 1)
+    advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)
+    experience = {**batch, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "values": values,
+                  "advantages": advantages, "returns": returns}
+    metrics.update({
+        "objective/scores": scores.mean(), "objective/kl": tricks.masked_mean(token_kl, mask, dim=-1).mean(),
+        "objective/advantages": tricks.masked_mean(advantages, mask), "objective/returns": returns.sum(-1).mean(),
+        "response/length": mask.sum(-1).float().mean(),
+        "response/truncated": sum(s["finish_reason"] == "length" for group in samples for s in group) / rows,
+        "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask)})
+    return experience, metrics
+
+
+# ------------------------------------------------------------------------------------------------- workers
+def split(batch: dict, size: int, shuffle_seed: int | None = None) -> list[dict]:
+    """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs."""
+    from common.deepspeed_utils import device
+
+    n = len(batch["input_ids"])
+    order = list(range(n))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    out = []
+    for i in range(0, n, size):
+        idx = torch.tensor(order[i: i + size])
+        length = int(batch["attention_mask"][idx].sum(1).max())
+        mb = {}
+        for key, value in batch.items():
+            value = value[idx]
+            if value.dim() == 2 and key.startswith("rm_"):
+                value = value[:, : int(batch["rm_attention_mask"][idx].sum(1).max())]
+            elif value.dim() == 2:
+                value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
+            mb[key] = value.to(device())
+        out.append(mb)
+    return out
+
+
+def pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad (batch, seq) to (batch, width): micro-batches are trimmed, the batch they came from is not."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def micro_rollout(args: Args) -> int:
+    """Rows per forward pass of the experience phase (--micro_rollout_batch_size, else --micro_train_batch_size)."""
+    return args.micro_rollout_batch_size or args.micro_train_batch_size
+
+
+def train_or_eval_config(args: Args, world_size: int, trainable: bool) -> dict:
+    """The DeepSpeed config of a trained role, or of a frozen one (always ZeRO-3, optionally offloaded)."""
+    from common.deepspeed_utils import ds_config
+
+    if trainable:
+        return ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                         args.grad_clip, args.offload_optimizer)
+    return ds_config(3, micro_rollout(args) * world_size, micro_rollout(args), world_size,
+                     offload_params=args.ref_offload, train=False)
+
+
+class ModelWorker(RayWorker):
+    """One DeepSpeed rank of a model; the roles below say which model and what it computes."""
+
+    def load(self, args: Args, path: str, total_steps: int | None, learning_rate: float = 0.0, **model_kwargs):
+        """Load `path` as this rank's share of a ZeRO model: trained when `total_steps` is given, else frozen."""
         from common.deepspeed_utils import (init_distributed, init_eval_engine, init_train_engine, load_model,
                                             load_tokenizer)
 
-        self.args, self.trainable = args, trainable
+        trainable = total_steps is not None
+        self.args = args
         self.rank, self.world_size, self.local_rank = init_distributed()
         torch.manual_seed(args.seed)
         config = train_or_eval_config(args, self.world_size, trainable)
-        model = load_model(path, config, gradient_checkpointing=args.gradient_checkpointing and trainable)
+        model = load_model(path, config, gradient_checkpointing=args.gradient_checkpointing and trainable,
+                           **model_kwargs)
         self.tokenizer = load_tokenizer(path)
         if trainable:
-            self.engine = init_train_engine(model, config, args.actor_learning_rate, args.weight_decay, total_steps,
+            self.engine = init_train_engine(model, config, learning_rate, args.weight_decay, total_steps,
                                             args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
         else:
             self.engine = init_eval_engine(model, config)
-        self.ptx = None
+
+    def save_state(self, ckpt_dir: str, step: int) -> None:
+        from common.checkpoint import save_train_state
+
+        save_train_state({"model": self.engine}, ckpt_dir, step, {"step": step}, self.rank,
+                         self.args.keep_last_checkpoints)
+
+    def load_state(self, ckpt_dir: str, step: int) -> None:
+        from common.checkpoint import load_train_state
+
+        load_train_state({"model": self.engine}, ckpt_dir, self.rank, step)
+
+
+class ReferenceWorker(ModelWorker):
+    """A rank of the frozen reference model (the SFT policy): the log-probs the KL penalty compares against."""
+
+    def setup(self, args: Args, path: str):
+        self.load(args, path, None)
 
     def _logprobs(self, batch, with_entropy=False):
         from common.modeling import entropy_from_logits, token_logprobs
@@ -290,10 +452,20 @@ class PolicyWorker(RayWorker):
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
+        """Log-probs of each next token, (batch, seq - 1), in micro-batches of --micro_rollout_batch_size."""
         self.engine.eval()
         width = batch["action_mask"].shape[1]
         return torch.cat([pad_right(self._logprobs(mb), width)
                           for mb in split(batch, micro_rollout(self.args))]).cpu()
+
+
+class ActorWorker(ReferenceWorker):
+    """A rank of the actor: the policy's log-probs as the reference computes them, the PPO update, the weight sync
+    to vLLM, and the final model."""
+
+    def setup(self, args: Args, path: str, total_steps: int):
+        self.load(args, path, total_steps, args.actor_learning_rate)
+        self.ptx = None
 
     def set_ptx_data(self, samples: list[dict]):
         self.ptx = samples
@@ -363,45 +535,44 @@ class PolicyWorker(RayWorker):
 
         save_hf_model(self.engine, self.tokenizer, out_dir, self.rank)
 
-    def save_state(self, ckpt_dir: str, step: int) -> None:
-        from common.checkpoint import save_train_state
 
-        save_train_state({"model": self.engine}, ckpt_dir, step, {"step": step}, self.rank,
-                         self.args.keep_last_checkpoints)
+class ScalarHeadWorker(ModelWorker):
+    """A rank of a model with a scalar head on its backbone (AutoModelForSequenceClassification, one label)."""
 
-    def load_state(self, ckpt_dir: str, step: int) -> None:
-        from common.checkpoint import load_train_state
-
-        load_train_state({"model": self.engine}, ckpt_dir, self.rank, step)
-
-
-class CriticWorker(PolicyWorker):
-    """One DeepSpeed rank of the critic (trained) or of a reward model (frozen): a scalar head on a backbone."""
-
-    def setup(self, args: Args, path: str, trainable: bool, total_steps: int):
+    def load_scalar(self, args: Args, path: str, total_steps: int | None, learning_rate: float, flag: str):
         from transformers import AutoModelForSequenceClassification
 
-        from common.deepspeed_utils import (init_distributed, init_eval_engine, init_train_engine, load_model,
-                                            load_tokenizer)
-
-        self.args, self.trainable = args, trainable
-        self.rank, self.world_size, self.local_rank = init_distributed()
-        torch.manual_seed(args.seed)
-        config = train_or_eval_config(args, self.world_size, trainable)
-        model = load_model(path, config, model_class=AutoModelForSequenceClassification,
-                           gradient_checkpointing=args.gradient_checkpointing and trainable, num_labels=1,
-                           flag="--critic_pretrain" if trainable else "--reward_pretrain")
-        self.tokenizer = load_tokenizer(path)
-        if trainable:
-            self.engine = init_train_engine(model, config, args.critic_learning_rate, args.weight_decay,
-                                            total_steps, args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
-        else:
-            self.engine = init_eval_engine(model, config)
+        self.load(args, path, total_steps, learning_rate, model_class=AutoModelForSequenceClassification,
+                  num_labels=1, flag=flag)
 
     def _normalizes(self) -> bool:
         """Whether scores and values are put on the normalised reward scale: a model rm.py saved carries its
         reward mean and std; a critic given a fresh head (from --pretrain) has none and learns the scale itself."""
         return self.args.normalize_reward and rewards.reward_model_normalizes(self.engine.module)
+
+
+class RewardModelWorker(ScalarHeadWorker):
+    """A rank of a frozen reward model: one score per sequence."""
+
+    def setup(self, args: Args, path: str):
+        self.load_scalar(args, path, None, 0.0, "--reward_pretrain")
+
+    @torch.no_grad()
+    def scores(self, batch: dict) -> torch.Tensor:
+        """Reward-model scores read at each sequence's last token, (batch,)."""
+        from common.modeling import sequence_rewards
+
+        self.engine.eval()
+        return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"],
+                                           self._normalizes())
+                          for mb in split(batch, micro_rollout(self.args))]).cpu()
+
+
+class CriticWorker(ScalarHeadWorker):
+    """A rank of the critic: a value for every token, and the clipped value update."""
+
+    def setup(self, args: Args, path: str, total_steps: int):
+        self.load_scalar(args, path, total_steps, args.critic_learning_rate, "--critic_pretrain")
 
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
@@ -412,16 +583,6 @@ class CriticWorker(PolicyWorker):
         width = batch["action_mask"].shape[1]
         return torch.cat([pad_right(token_values(self.engine, mb["input_ids"], mb["attention_mask"],
                                                  self._normalizes())[:, :-1], width)
-                          for mb in split(batch, micro_rollout(self.args))]).cpu()
-
-    @torch.no_grad()
-    def scores(self, batch: dict) -> torch.Tensor:
-        """Reward-model scores read at each sequence's last token, (batch,)."""
-        from common.modeling import sequence_rewards
-
-        self.engine.eval()
-        return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"],
-                                           self._normalizes())
                           for mb in split(batch, micro_rollout(self.args))]).cpu()
 
     def fit(self, experience: dict, kl_coef: float = 0.0) -> dict:
@@ -439,165 +600,7 @@ class CriticWorker(PolicyWorker):
         return {"critic/value_loss": sum(stats) / len(stats), "critic/lr": self.engine.get_lr()[0]}
 
 
-def train_or_eval_config(args: Args, world_size: int, trainable: bool) -> dict:
-    """The DeepSpeed config of a trained role, or of a frozen one (always ZeRO-3, optionally offloaded)."""
-    from common.deepspeed_utils import ds_config
-
-    if trainable:
-        return ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
-                         args.grad_clip, args.offload_optimizer)
-    return ds_config(3, micro_rollout(args) * world_size, micro_rollout(args), world_size,
-                     offload_params=args.ref_offload, train=False)
-
-
-def micro_rollout(args: Args) -> int:
-    """Rows per forward pass of the experience phase (--micro_rollout_batch_size, else --micro_train_batch_size)."""
-    return args.micro_rollout_batch_size or args.micro_train_batch_size
-
-
-def pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad (batch, seq) to (batch, width): micro-batches are trimmed, the batch they came from is not."""
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
-def split(batch: dict, size: int, shuffle_seed: int | None = None) -> list[dict]:
-    """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs."""
-    from common.deepspeed_utils import device
-
-    n = len(batch["input_ids"])
-    order = list(range(n))
-    if shuffle_seed is not None:
-        random.Random(shuffle_seed).shuffle(order)
-    out = []
-    for i in range(0, n, size):
-        idx = torch.tensor(order[i: i + size])
-        length = int(batch["attention_mask"][idx].sum(1).max())
-        mb = {}
-        for key, value in batch.items():
-            value = value[idx]
-            if value.dim() == 2 and key.startswith("rm_"):
-                value = value[:, : int(batch["rm_attention_mask"][idx].sum(1).max())]
-            elif value.dim() == 2:
-                value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
-            mb[key] = value.to(device())
-        out.append(mb)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- experience
-def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], eos_id: int, pad_id: int) -> dict:
-    """Right-padded tensors for prompt + response sequences; the masks say which tokens were generated.
-
-    action_mask (batch, seq - 1) is 1 where the next token is a response token, the layout every per-token tensor
-    (log-probs, values, rewards, advantages) shares. rm_input_ids ends every sequence with EOS, as rm.py trained on.
-    """
-    rows, prompt_lens, vllm_logprobs = [], [], []
-    for ids, outs in zip(prompt_ids, samples):
-        for out in outs:
-            rows.append(ids + out["token_ids"])
-            prompt_lens.append(len(ids))
-            vllm_logprobs.append(out["logprobs"] or [])
-    length = max(map(len, rows))
-    batch_size = len(rows)
-    input_ids = torch.full((batch_size, length), pad_id)  # (batch, seq)
-    attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
-    action_mask = torch.zeros(batch_size, length - 1)
-    rm_input_ids = torch.full((batch_size, length + 1), pad_id)
-    rm_attention_mask = torch.zeros(batch_size, length + 1, dtype=torch.long)
-    vllm_lp = torch.zeros(batch_size, length - 1)
-    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        attention_mask[i, : len(row)] = 1
-        action_mask[i, p - 1: len(row) - 1] = 1
-        vllm_lp[i, p - 1: p - 1 + len(vllm_logprobs[i])] = torch.tensor(vllm_logprobs[i])
-        rm_row = row if row[-1] == eos_id else row + [eos_id]
-        rm_input_ids[i, : len(rm_row)] = torch.tensor(rm_row)
-        rm_attention_mask[i, : len(rm_row)] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "action_mask": action_mask, "rm_input_ids": rm_input_ids, "rm_attention_mask": rm_attention_mask,
-            "vllm_logprobs": vllm_lp}
-
-
-def shard(batch: dict, n: int, micro: int) -> list[dict]:
-    """Split a batch's rows into n equal consecutive parts, one per worker, each a whole number of micro-batches.
-
-    Under ZeRO-3 every forward pass is collective, so every rank must run the same number of micro-batches: the
-    batch is padded with copies of its last row, and callers keep the first len(batch) results.
-    """
-    rows = len(batch["input_ids"])
-    size = -(-rows // (n * micro)) * micro
-    pad = [rows - 1] * (size * n - rows)
-    index = torch.tensor(list(range(rows)) + pad)
-    return [{k: v[index[i * size: (i + 1) * size]] for k, v in batch.items()} for i in range(n)]
-
-
-def gather(refs: list, rows: int) -> torch.Tensor:
-    """Concatenate the workers' results in rank order and drop the padding rows shard() added."""
-    return torch.cat(ray.get(refs))[:rows]
-
-
-def generate(engines, prompt_ids, n, temperature, top_p, max_tokens) -> list[list[dict]]:
-    """Samples from every engine, prompts split evenly; a dead engine ends the run with a clear message."""
-    chunks = [prompt_ids[i:: len(engines)] for i in range(len(engines))]
-    refs = [e.generate.remote(c, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-            for e, c in zip(engines, chunks)]
-    try:
-        results = ray.get(refs)
-    except ray.exceptions.RayActorError as e:
-        raise EngineDied(f"a vLLM engine died while generating ({type(e).__name__})") from None
-    merged = [None] * len(prompt_ids)
-    for i, result in enumerate(results):
-        merged[i:: len(engines)] = result
-    return merged
-
-
-class EngineDied(RuntimeError):
-    """A vLLM engine actor is gone; the run stops and can be resumed from its last checkpoint."""
-
-
-def wait_for(refs: list, engines: list, what: str) -> list:
-    """ray.get(refs), checking every few seconds that the engines still live: a broadcast to a dead engine would
-    otherwise wait for the process group's timeout."""
-    def check_engines():
-        try:
-            ray.get([e.ready.remote() for e in engines], timeout=60)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            raise EngineDied(f"a vLLM engine died during {what} ({type(e).__name__})") from None
-
-    while True:
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-        if len(done) == len(refs):
-            try:
-                return ray.get(refs)
-            except ray.exceptions.RayTaskError:  # e.g. the broadcast's connection to a killed engine was reset
-                check_engines()
-                raise
-        check_engines()
-
-
-def score(args, groups, reward_fn, batch, prompts, responses, labels) -> tuple[torch.Tensor, dict]:
-    """The summed reward of every sequence (batch,), from reward models, the rule function and the remote RM."""
-    total, metrics = torch.zeros(len(responses)), {}
-    micro = micro_rollout(args)
-    refs = [g.call_sharded("scores", shard(batch, len(g), micro)) for g in groups]
-    weights = iter(args.reward_weights or [1.0] * (len(groups) + bool(reward_fn) + bool(args.remote_rm_url)))
-    for i, parts in enumerate(refs):
-        rm_scores = gather(parts, len(responses))
-        metrics[f"rewards/rm{i}"] = rm_scores.mean()
-        total += next(weights) * rm_scores
-    if reward_fn:
-        rule = torch.tensor(rewards.call_reward_fn(reward_fn, prompts, responses, labels), dtype=torch.float)
-        metrics["rewards/rule"] = rule.mean()
-        total += next(weights) * rule
-    if args.remote_rm_url:
-        remote = torch.tensor(rewards.remote_reward(args.remote_rm_url, prompts, responses, labels))
-        metrics["rewards/remote"] = remote.mean()
-        total += next(weights) * remote
-    return total.clamp(-args.reward_clip, args.reward_clip), metrics
-
-
-# ------------------------------------------------------------------------------------------------------ setup
+# ------------------------------------------------------------------------------------------- driver: setup
 def load_prompts(args, tokenizer, source, split_name) -> list[dict]:
     """Tokenized prompts with their labels; prompts over --prompt_max_len are skipped and counted."""
     rows = load_records(source, split_name)
@@ -621,12 +624,7 @@ def load_prompts(args, tokenizer, source, split_name) -> list[dict]:
 
 def check_args(args: Args) -> None:
     """Catch flag mistakes before any worker starts."""
-    if not (args.reward_pretrain or args.reward_fn or args.remote_rm_url):
-        raise UserError("no reward source: give --reward_pretrain, --reward_fn and/or --remote_rm_url.")
-    num_sources = len(args.reward_pretrain or []) + bool(args.reward_fn) + bool(args.remote_rm_url)
-    if args.reward_weights and len(args.reward_weights) != num_sources:
-        raise UserError(f"--reward_weights has {len(args.reward_weights)} weights for {num_sources} reward sources; "
-                        f"give one per source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url.")
+    rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
     if args.advantage_estimator in ("grpo", "rloo") and args.n_samples_per_prompt < 2:
         raise UserError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt; "
                         f"set --n_samples_per_prompt to 2 or more.")
@@ -692,22 +690,22 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
     engine_sleep = SleepSchedule(engines, enabled=args.colocate_all)  # a recorded no-op where vLLM cannot sleep
     engine_sleep.start()  # before the models load into the memory the engines give back
     actor_pg = shared or make_placement_group(args.actor_num_workers, cpus, "actor")
-    roles = {"actor": WorkerGroup(PolicyWorker, actor_pg, shares["actor"], cpus,
-                                  (args, args.pretrain, True, total_actor_steps), role="actor"), "engines": engines}
+    roles = {"actor": WorkerGroup(ActorWorker, actor_pg, shares["actor"], cpus,
+                                  (args, args.pretrain, total_actor_steps), role="actor"), "engines": engines}
     ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
         args.ref_num_workers, cpus, "reference")
     if args.init_kl_coef > 0 or args.advantage_estimator == "grpo":
-        roles["ref"] = WorkerGroup(PolicyWorker, ref_pg, shares["reference"], cpus, (args, args.pretrain, False, 0),
+        roles["ref"] = WorkerGroup(ReferenceWorker, ref_pg, shares["reference"], cpus, (args, args.pretrain),
                                    role="reference")
     critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
     if use_critic:
         roles["critic"] = WorkerGroup(CriticWorker, critic_pg, shares["critic"], cpus,
-                                      (args, critic_path, True, total_actor_steps), role="critic")
+                                      (args, critic_path, total_actor_steps), role="critic")
     roles["rewards"] = []
     for i, path in enumerate(reward_paths):
         pg = critic_pg if (args.colocate_critic_reward and critic_pg) else (
             shared or make_placement_group(args.reward_num_workers, cpus, "reward"))
-        roles["rewards"].append(WorkerGroup(CriticWorker, pg, shares["reward model"], cpus, (args, path, False, 0),
+        roles["rewards"].append(WorkerGroup(RewardModelWorker, pg, shares["reward model"], cpus, (args, path),
                                             role=f"reward model {i + 1}"))
     engine_sleep.trainers = [roles[name] for name in ("actor", "ref", "critic") if name in roles] + roles["rewards"]
     roles["engine_sleep"] = engine_sleep
@@ -752,7 +750,174 @@ def check_tokenizers(args: Args, tokenizer) -> None:
                                          f"{flag} {path}")
 
 
-# ------------------------------------------------------------------------------------------------------- main
+# ---------------------------------------------------------------------------------------------- driver: the run
+def step_prompts(args: Args, prompts: list[dict], step: int) -> list[dict]:
+    """This step's --rollout_batch_size prompts: passes over the data, each in an order fixed by (--seed, pass), so
+    a resumed run picks the prompts the killed one would have."""
+    per_pass = max(1, len(prompts) // args.rollout_batch_size)
+    order = list(range(len(prompts)))
+    random.Random(args.seed * 100_003 + step // per_pass).shuffle(order)
+    start = (step % per_pass) * args.rollout_batch_size
+    return [prompts[order[(start + i) % len(prompts)]] for i in range(args.rollout_batch_size)]
+
+
+def sample(roles: dict, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+           max_tokens: int) -> list[list[dict]]:
+    """vLLM's n responses to each prompt; colocated engines are awake only meanwhile (SleepSchedule)."""
+    roles["engine_sleep"].before_generate()
+    samples = generate(roles["engines"], prompt_ids, n, temperature, top_p, max_tokens)
+    roles["engine_sleep"].after_generate()
+    return samples
+
+
+def train_step(roles: dict, experience: dict, kl_coef: float, step: int, micro: int) -> dict:
+    """The PPO update of the actor and of the critic, each on its own workers, at the same time."""
+    actor, critic = roles["actor"], roles.get("critic")
+    actor_fit = actor.call_sharded("fit", shard(experience, len(actor), micro), kl_coef, step)
+    critic_fit = critic.call_sharded("fit", shard(experience, len(critic), micro)) if critic else []
+    metrics = ray.get(actor_fit)[0]
+    if critic_fit:
+        metrics.update(ray.get(critic_fit)[0])
+    return metrics
+
+
+def sync_weights(roles: dict) -> dict:
+    """Send the actor's new weights to the vLLM engines (common/weight_sync.py); returns its counts and times."""
+    roles["engine_sleep"].before_sync()
+    engines = roles["engines"]
+    sync = wait_for(roles["actor"].call("sync_weights", engines), engines, "the weight sync")[0]
+    return {"weight_sync/bytes": sync.get("weight_sync/bytes", 0),
+            "weight_sync/vllm_load": sync.get("weight_sync/load_seconds", 0)}
+
+
+def evaluate(args: Args, roles: dict, tokenizer, reward_fn, eval_prompts: list[dict]) -> dict:
+    """Greedy responses to the held-out prompts, scored like the rollouts; the latest are kept in
+    eval_samples.jsonl, to read."""
+    prompt_ids = [p["ids"] for p in eval_prompts]
+    samples = sample(roles, prompt_ids, 1, 0.0, 1.0, args.generate_max_len)
+    batch = build_batch(prompt_ids, samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    texts = [tokenizer.decode(s[0]["token_ids"], skip_special_tokens=True) for s in samples]
+    total, parts = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in eval_prompts], texts,
+                         [p["label"] for p in eval_prompts])
+    with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w") as f:
+        for p, text, reward in zip(eval_prompts, texts, total.tolist()):
+            f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")
+    return {"eval/reward": total.mean(), **{"eval/" + k.split("/")[1]: v for k, v in parts.items()}}
+
+
+def trained_roles(roles: dict) -> dict:
+    return {"actor": roles["actor"], **({"critic": roles["critic"]} if "critic" in roles else {})}
+
+
+def save_checkpoint(roles: dict, ckpt_dir: str, step: int, kl_ctl) -> None:
+    """Every trained role's state, then the driver's state file, written last: it is what commits the step."""
+    ray.get([ref for name, group in trained_roles(roles).items() for ref in
+             group.call("save_state", os.path.join(ckpt_dir, name), step)])
+    state_file = os.path.join(ckpt_dir, "driver_state.json")
+    with open(state_file + ".tmp", "w") as f:
+        json.dump({"step": step, "kl_ctl": kl_ctl.state_dict()}, f)
+    os.replace(state_file + ".tmp", state_file)
+
+
+def resume(roles: dict, ckpt_dir: str, kl_ctl) -> int:
+    """Load the latest committed checkpoint, if any, and send its actor to vLLM; returns the step to start at."""
+    state_file = os.path.join(ckpt_dir, "driver_state.json")
+    if not os.path.exists(state_file):
+        return 0
+    with open(state_file) as f:
+        state = json.load(f)
+    kl_ctl.load_state_dict(state["kl_ctl"])
+    ray.get([ref for name, group in trained_roles(roles).items() for ref in
+             group.call("load_state", os.path.join(ckpt_dir, name), state["step"])])
+    roles["engine_sleep"].before_sync()
+    ray.get(roles["actor"].call("sync_weights", roles["engines"]))
+    print(f"resumed from {ckpt_dir} at step {state['step']}")
+    return state["step"]
+
+
+def stopped_by_dead_engine(error: EngineDied, step: int, ckpt_dir: str) -> UserError:
+    """The sentence a run ends with when an engine died: where it was, and what is safe on disk."""
+    state_file = os.path.join(ckpt_dir, "driver_state.json")
+    done = json.load(open(state_file))["step"] if os.path.exists(state_file) else None
+    where = f"the checkpoint of step {done} in {ckpt_dir} is intact" if done else "no checkpoint was saved"
+    return UserError(f"{error} at step {step + 1}; {where}. Rerun the same command to resume.")
+
+
+def connect(args: Args, roles: dict, ptx_samples: list[dict] | None) -> None:
+    """After placement: the weight-sync group between actor rank 0 and the engines, placement.json (which Ray
+    node each worker is on, and the engines' pids), and the actor's pretraining rows."""
+    engines = roles["engines"]
+    wait(roles["actor"].call("init_weight_sync", engines), SYNC_TIMEOUT.total_seconds(),
+         "actor rank 0 and the vLLM engines did not form their weight-sync group")
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "placement.json"), "w") as f:
+        placement = {name: roles[name].nodes for name in ("actor", "ref", "critic") if name in roles}
+        placement["rewards"] = [group.nodes for group in roles["rewards"]]
+        placement["vllm"] = ray.get([engine.node_id.remote() for engine in engines])
+        placement["vllm_pids"] = ray.get([engine.pid.remote() for engine in engines])
+        json.dump(placement, f, indent=1)
+    if ptx_samples:
+        ray.get(roles["actor"].call("set_ptx_data", ptx_samples))
+
+
+def load_data(args: Args, tokenizer) -> tuple[list[dict], list[dict], list[dict] | None]:
+    """(training prompts, held-out prompts, pretraining rows for --ptx_data), tokenized."""
+    prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split)
+    eval_prompts = load_prompts(args, tokenizer, args.eval_prompt_data, "test") if args.eval_prompt_data else []
+    ptx_samples = None
+    if args.ptx_data:
+        from common.data import build_sft_samples
+
+        ptx_samples = build_sft_samples(load_records(args.ptx_data), tokenizer, args.ptx_data, args.ptx_key, "",
+                                        args.prompt_max_len + args.generate_max_len, pretrain_mode=True)
+    return prompts, eval_prompts, ptx_samples
+
+
+def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], eval_prompts: list[dict]) -> dict:
+    """The PPO loop, from the latest checkpoint to --max_steps; returns the final evaluation's metrics."""
+    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+    kl_ctl = (tricks.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon) if args.kl_target
+              else tricks.FixedKLController(args.init_kl_coef))
+    start_step = step = resume(roles, ckpt_dir, kl_ctl)
+    logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
+                           resume_step=start_step)
+    bar = progress(args.max_steps, 0, "ppo", initial=start_step)
+    try:
+        for step in range(start_step, args.max_steps):
+            timings = {}
+            with timed(timings, "time/generate"):  # 1. rollouts: vLLM samples responses to this step's prompts
+                picked = step_prompts(args, prompts, step)
+                samples = sample(roles, [p["ids"] for p in picked], args.n_samples_per_prompt, args.temperature,
+                                 args.top_p, args.generate_max_len)
+            with timed(timings, "time/make_experience"):  # 2. log-probs, values, rewards -> advantages
+                experience, metrics = make_experience(args, roles, picked, samples, tokenizer, reward_fn,
+                                                      kl_ctl.value)
+            with timed(timings, "time/train"):  # 3. the PPO update of the actor and the critic
+                metrics.update(train_step(roles, experience, kl_ctl.value, step, args.micro_train_batch_size))
+            with timed(timings, "time/weight_sync"):  # 4. the new weights to vLLM
+                metrics.update(sync_weights(roles))
+
+            kl_ctl.update(metrics["objective/kl"].item(), len(experience["input_ids"]))
+            metrics.update({"objective/kl_coef": kl_ctl.value, **timings,
+                            "perf/rollout_tokens_per_sec": experience["action_mask"].sum() / timings["time/generate"]})
+            if eval_prompts and args.eval_steps and (step + 1) % args.eval_steps == 0:
+                metrics.update(evaluate(args, roles, tokenizer, reward_fn, eval_prompts))
+            logger.log(step + 1, metrics)
+            bar.update(1)
+            bar.set_postfix(score=f"{float(metrics['objective/scores']):.3f}",
+                            kl=f"{float(metrics['objective/kl']):.4f}")
+            if args.save_steps and (step + 1) % args.save_steps == 0:
+                save_checkpoint(roles, ckpt_dir, step + 1, kl_ctl)
+        bar.close()
+        final = evaluate(args, roles, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
+    except EngineDied as e:
+        raise stopped_by_dead_engine(e, step, ckpt_dir) from None
+    if final:
+        logger.log(args.max_steps, final)
+    logger.close()
+    return final
+
+
 def main(args: Args):
     from common.deepspeed_utils import load_tokenizer
 
@@ -770,165 +935,16 @@ def main(args: Args):
     reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
     tokenizer = load_tokenizer(args.pretrain)
     check_tokenizers(args, tokenizer)
-    prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split)
-    eval_prompts = load_prompts(args, tokenizer, args.eval_prompt_data, "test") if args.eval_prompt_data else []
-    ptx_samples = None
-    if args.ptx_data:
-        from common.data import build_sft_samples
-
-        ptx_samples = build_sft_samples(load_records(args.ptx_data), tokenizer, args.ptx_data, args.ptx_key, "",
-                                        args.prompt_max_len + args.generate_max_len, pretrain_mode=True)
-    rollout = args.rollout_batch_size * args.n_samples_per_prompt
-    total_actor_steps = args.max_steps * args.max_epochs * rollout // args.train_batch_size
+    prompts, eval_prompts, ptx_samples = load_data(args, tokenizer)
 
     start_ray(args)
     if use_gpus():
         memory_plan.preflight(args)
-    roles = place_roles(args, total_actor_steps)
-    actor, critic, ref, engines = roles["actor"], roles.get("critic"), roles.get("ref"), roles["engines"]
-    engine_sleep = roles["engine_sleep"]
-    wait(actor.call("init_weight_sync", engines), SYNC_TIMEOUT.total_seconds(),
-         "actor rank 0 and the vLLM engines did not form their weight-sync group")
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "placement.json"), "w") as f:  # which Ray node each worker is on
-        placement = {name: group.nodes for name, group in roles.items() if isinstance(group, WorkerGroup)}
-        placement["rewards"] = [group.nodes for group in roles["rewards"]]
-        placement["vllm"] = ray.get([engine.node_id.remote() for engine in engines])
-        placement["vllm_pids"] = ray.get([engine.pid.remote() for engine in engines])
-        json.dump(placement, f, indent=1)
-    if ptx_samples:
-        ray.get(actor.call("set_ptx_data", ptx_samples))
-
-    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
-    kl_ctl = (tricks.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon) if args.kl_target
-              else tricks.FixedKLController(args.init_kl_coef))
-    start_step = 0
-    state_file = os.path.join(ckpt_dir, "driver_state.json")
-    if os.path.exists(state_file):
-        with open(state_file) as f:
-            state = json.load(f)
-        start_step = state["step"]
-        kl_ctl.load_state_dict(state["kl_ctl"])
-        trained = [actor] + ([critic] if critic else [])
-        ray.get([r for g, name in zip(trained, ("actor", "critic")) for r in
-                 g.call("load_state", os.path.join(ckpt_dir, name), start_step)])
-        engine_sleep.before_sync()
-        ray.get(actor.call("sync_weights", engines))
-        print(f"resumed from {ckpt_dir} at step {start_step}")
-    logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
-                           resume_step=start_step)
-
-    def save_checkpoint(step):
-        trained = {"actor": actor, **({"critic": critic} if critic else {})}
-        ray.get([r for name, g in trained.items() for r in
-                 g.call("save_state", os.path.join(ckpt_dir, name), step)])
-        with open(state_file + ".tmp", "w") as f:  # written last: this is what commits the step
-            json.dump({"step": step, "kl_ctl": kl_ctl.state_dict()}, f)
-        os.replace(state_file + ".tmp", state_file)
-
-    def evaluate():
-        engine_sleep.before_generate()
-        outs = generate(engines, [p["ids"] for p in eval_prompts], 1, 0.0, 1.0, args.generate_max_len)
-        engine_sleep.after_generate()
-        batch = build_batch([p["ids"] for p in eval_prompts], outs, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        texts = [tokenizer.decode(o[0]["token_ids"], skip_special_tokens=True) for o in outs]
-        total, parts = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in eval_prompts], texts,
-                             [p["label"] for p in eval_prompts])
-        with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w") as f:  # the latest eval, to read
-            for p, text, reward in zip(eval_prompts, texts, total.tolist()):
-                f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")
-        return {"eval/reward": total.mean(), **{"eval/" + k.split("/")[1]: v for k, v in parts.items()}}
-
-    def engine_died(error, step):
-        done = json.load(open(state_file))["step"] if os.path.exists(state_file) else None
-        where = f"the checkpoint of step {done} in {ckpt_dir} is intact" if done else "no checkpoint was saved"
-        raise UserError(f"{error} at step {step + 1}; {where}. Rerun the same command to resume.")
-
-    bar = progress(args.max_steps, 0, "ppo", initial=start_step)
-    for step in range(start_step, args.max_steps):
-        timings, t0 = {}, time.time()
-        # 1. rollouts from vLLM; the prompt order is a function of (seed, pass over the data), so resuming is exact
-        per_pass = max(1, len(prompts) // args.rollout_batch_size)
-        order = list(range(len(prompts)))
-        random.Random(args.seed * 100_003 + step // per_pass).shuffle(order)
-        start = (step % per_pass) * args.rollout_batch_size
-        picked = [prompts[order[(start + i) % len(prompts)]] for i in range(args.rollout_batch_size)]
-        try:
-            engine_sleep.before_generate()
-            outs = generate(engines, [p["ids"] for p in picked], args.n_samples_per_prompt, args.temperature,
-                            args.top_p, args.generate_max_len)
-            engine_sleep.after_generate()
-        except EngineDied as e:
-            engine_died(e, step)
-        timings["time/generate"] = time.time() - t0
-
-        # 2. experience: old log-probs, reference log-probs, values, rewards, all roles at once
-        t0 = time.time()
-        batch = build_batch([p["ids"] for p in picked], outs, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        prompt_texts = [p["prompt"] for p in picked for _ in range(args.n_samples_per_prompt)]
-        labels = [p["label"] for p in picked for _ in range(args.n_samples_per_prompt)]
-        responses = [tokenizer.decode(o["token_ids"], skip_special_tokens=True) for outs_i in outs for o in outs_i]
-        micro = micro_rollout(args)  # shard() pads a batch that does not split evenly; gather() drops the padding
-        old_ref = actor.call_sharded("logprobs", shard(batch, len(actor), micro))
-        ref_ref = ref.call_sharded("logprobs", shard(batch, len(ref), micro)) if ref else None
-        val_ref = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
-        scores, reward_metrics = score(args, roles["rewards"], reward_fn, batch, prompt_texts, responses, labels)
-        mask = batch["action_mask"]
-        old_logprobs = gather(old_ref, rollout)
-        ref_logprobs = gather(ref_ref, rollout) if ref else old_logprobs
-        values = gather(val_ref, rollout) if critic else torch.zeros_like(old_logprobs)
-        token_kl = tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)  # (batch, seq)
-        advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_ctl.value)
-        kl = tricks.masked_mean(token_kl, mask, dim=-1)
-        experience = {**batch, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "values": values,
-                      "advantages": advantages, "returns": returns}
-        timings["time/make_experience"] = time.time() - t0
-
-        # 3. train the actor and the critic at the same time, on their own workers
-        t0 = time.time()
-        micro = args.micro_train_batch_size
-        fit_refs = actor.call_sharded("fit", shard(experience, len(actor), micro), kl_ctl.value, step)
-        critic_refs = critic.call_sharded("fit", shard(experience, len(critic), micro)) if critic else []
-        metrics = ray.get(fit_refs)[0]
-        if critic_refs:
-            metrics.update(ray.get(critic_refs)[0])
-        timings["time/train"] = time.time() - t0
-
-        # 4. send the new weights to vLLM
-        t0 = time.time()
-        engine_sleep.before_sync()
-        try:
-            sync = wait_for(actor.call("sync_weights", engines), engines, "the weight sync")[0]
-        except EngineDied as e:
-            engine_died(e, step)
-        timings["time/weight_sync"] = time.time() - t0
-
-        kl_ctl.update(kl.mean().item(), rollout)
-        response_lengths = mask.sum(-1)
-        metrics.update({
-            "objective/scores": scores.mean(), "objective/kl": kl.mean(), "objective/kl_coef": kl_ctl.value,
-            "objective/advantages": tricks.masked_mean(advantages, mask), "objective/returns": returns.sum(-1).mean(),
-            "response/length": response_lengths.float().mean(),
-            "response/truncated": sum(o["finish_reason"] == "length" for oi in outs for o in oi) / rollout,
-            "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask),
-            "weight_sync/bytes": sync.get("weight_sync/bytes", 0),
-            "weight_sync/vllm_load": sync.get("weight_sync/load_seconds", 0),
-            "perf/rollout_tokens_per_sec": response_lengths.sum() / timings["time/generate"],
-            **reward_metrics, **timings})
-        if eval_prompts and args.eval_steps and (step + 1) % args.eval_steps == 0:
-            metrics.update(evaluate())
-        logger.log(step + 1, metrics)
-        bar.update(1)
-        bar.set_postfix(score=f"{float(scores.mean()):.3f}", kl=f"{float(kl.mean()):.4f}")
-        if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(step + 1)
-    bar.close()
-
-    final = evaluate() if eval_prompts else {}
-    if final:
-        logger.log(args.max_steps, final)
-    ray.get(actor.call("save_model", args.output_dir))
-    logger.close()
+    rollout = args.rollout_batch_size * args.n_samples_per_prompt
+    roles = place_roles(args, total_actor_steps=args.max_steps * args.max_epochs * rollout // args.train_batch_size)
+    connect(args, roles, ptx_samples)
+    final = train(args, roles, tokenizer, reward_fn, prompts, eval_prompts)
+    ray.get(roles["actor"].call("save_model", args.output_dir))
     print(f"saved the actor to {args.output_dir} after {args.max_steps} PPO steps"
           + "".join(f", {k} {float(v):.4f}" for k, v in final.items()))
     ray.shutdown()

@@ -203,12 +203,7 @@ def select(mode: str, prompts: list, responses: list[list[str]], scores: list[li
 
 def check_args(args: Args) -> None:
     """Mistakes in the flags alone, caught before anything loads."""
-    num_sources = len(args.reward_pretrain) + bool(args.reward_fn) + bool(args.remote_rm_url)
-    if num_sources == 0:
-        raise UserError("no reward source: give --reward_pretrain, --reward_fn or --remote_rm_url (or several).")
-    if args.reward_weights and len(args.reward_weights) != num_sources:
-        raise UserError(f"--reward_weights has {len(args.reward_weights)} weights for {num_sources} reward sources; "
-                        f"give one per source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url.")
+    rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
     if args.mode == "dpo_pairs" and args.n_samples_per_prompt < 2:
         raise UserError(f"--mode dpo_pairs needs --n_samples_per_prompt of at least 2 to pair a best and a worst "
                         f"response, got {args.n_samples_per_prompt}.")
@@ -278,7 +273,7 @@ def score(args: Args, prompts: list, labels: list, responses: list[list[str]], r
     flat_labels = [label for label in labels for _ in range(n)]
     flat_responses = [r for texts in responses for r in texts]
     models = [rewards.load_reward_model(path) for path in args.reward_pretrain]
-    weights = args.reward_weights or [1.0] * (len(models) + bool(reward_fn) + bool(args.remote_rm_url))
+    weights = rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
     total = []
     bar = progress(len(flat_responses), 0, desc)
     for start in range(0, len(flat_responses), args.reward_batch_size):
@@ -292,7 +287,7 @@ def score(args: Args, prompts: list, labels: list, responses: list[list[str]], r
             sources.append(rewards.call_reward_fn(reward_fn, p, r, labels_))
         if args.remote_rm_url:
             sources.append(rewards.remote_reward(args.remote_rm_url, p, r, labels_))
-        total += rewards.combine_rewards(sources, weights)
+        total += rewards.combine_rewards(sources, weights).tolist()
         bar.update(len(r))
     bar.close()
     del models

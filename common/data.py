@@ -185,14 +185,22 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
             dropped += 1
             continue
         samples.append({"input_ids": ids, "loss_mask": mask})
+    return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def checked_samples(samples: list, source: str, max_len: int, log, truncated: int, dropped: int,
+                    truncated_what: str, dropped_what: str = "") -> list:
+    """The end of every build_*_samples: refuse a source with nothing left, say what --max_len cut, return samples.
+
+    "<source>: <truncated> <truncated_what> truncated to --max_len N; <dropped> [<dropped_what>] dropped because no
+    response token was left", when either count is not 0.
+    """
     if not samples:
-        raise DataError(
-            f"every sample of {source} is longer than --max_len {max_len} before its response starts; "
-            f"raise --max_len."
-        )
+        raise DataError(f"every sample of {source} is longer than --max_len {max_len} before its response starts; "
+                        f"raise --max_len.")
     if truncated or dropped:
-        log(f"{source}: {truncated} of {len(rows)} samples truncated to --max_len {max_len}; "
-            f"{dropped} dropped because no response token was left.")
+        log(f"{source}: {truncated} {truncated_what} truncated to --max_len {max_len}; "
+            f"{' '.join(filter(None, [str(dropped), dropped_what]))} dropped because no response token was left.")
     return samples
 
 
@@ -330,10 +338,7 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
     if not samples:
         raise DataError(f"{source} has no usable pair: every pair is identical or longer than --max_len {max_len} "
                         f"before its responses start.")
-    if truncated or dropped:
-        log(f"{source}: {truncated} responses truncated to --max_len {max_len}; "
-            f"{dropped} pairs dropped because no response token was left.")
-    return samples
+    return checked_samples(samples, source, max_len, log, truncated, dropped, "responses", "pairs")
 
 
 def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key, max_len, apply_chat_template=False,
@@ -362,13 +367,7 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
             dropped += 1
             continue
         samples.append({**sample, "prompt_len": sample["loss_mask"].index(1), "label": label})
-    if not samples:
-        raise DataError(f"every sample of {source} is longer than --max_len {max_len} before its response starts; "
-                        f"raise --max_len.")
-    if truncated or dropped:
-        log(f"{source}: {truncated} of {len(rows)} samples truncated to --max_len {max_len}; "
-            f"{dropped} dropped because no response token was left.")
-    return samples
+    return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
 
 
 def reward_model_input_ids(tokenizer, prompt, response: str, max_len: int, apply_chat_template: bool = False,

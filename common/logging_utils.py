@@ -4,6 +4,7 @@ Metric names follow TRL's namespaces (`train/loss`, `objective/kl`, `rewards/acc
 compared with other libraries. wandb runs offline unless WANDB_API_KEY is set.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -98,3 +99,11 @@ class LineProgress:
 def print_rank0(rank: int, *args) -> None:
     if rank == 0:
         print(*args, flush=True)
+
+
+@contextlib.contextmanager
+def timed(timings: dict, name: str):
+    """timings[name] = the seconds the `with` block took."""
+    start = time.time()
+    yield
+    timings[name] = time.time() - start

@@ -6,9 +6,9 @@ placement groups: one bundle per worker (1 GPU, or `cpus` CPUs on a machine with
 the bundles of one group and each take a fraction of a bundle.
 
     pg = make_placement_group(2, 1, "actor")
-    actor = WorkerGroup(PolicyWorker, pg, share=0.5, cpus_per_bundle=1, args=(args,), role="actor")
-    ray.get(actor.call("fit", experience))          # every rank, the same arguments
-    ray.get(actor.call_sharded("logprobs", shards))  # one shard each
+    actor = WorkerGroup(ActorWorker, pg, share=0.5, cpus_per_bundle=1, args=(args,), role="actor")
+    ray.get(actor.call("fit", experience))                                  # every rank, the same arguments
+    logprobs = gather(actor.call_sharded("logprobs", shard(batch, 2, micro)), len(batch["input_ids"]))  # a part each
 
 Every wait on start-up is bounded: a role Ray cannot place, or whose model does not load, ends the run with one
 sentence naming it instead of hanging.
@@ -162,3 +162,21 @@ class WorkerGroup:
 
     def __len__(self) -> int:
         return len(self.actors)
+
+
+def shard(batch: dict, n: int, micro: int) -> list[dict]:
+    """Split a batch's rows into n equal consecutive parts, one per worker, each a whole number of micro-batches.
+
+    Under ZeRO-3 every forward pass is collective, so every rank must run the same number of micro-batches: the
+    batch is padded with copies of its last row, and callers keep the first len(batch) results.
+    """
+    rows = len(batch["input_ids"])
+    size = -(-rows // (n * micro)) * micro
+    pad = [rows - 1] * (size * n - rows)
+    index = torch.tensor(list(range(rows)) + pad)
+    return [{k: v[index[i * size: (i + 1) * size]] for k, v in batch.items()} for i in range(n)]
+
+
+def gather(refs: list, rows: int) -> torch.Tensor:
+    """Concatenate the workers' results in rank order and drop the padding rows shard() added."""
+    return torch.cat(ray.get(refs))[:rows]

@@ -200,8 +200,26 @@ def remote_reward(url: str, prompts: list, responses: list[str], labels: list, t
 
 
 # ------------------------------------------------------------------------------------------------------ combining
-def combine_rewards(scores: list[list[float]], weights: list[float]) -> list[float]:
-    """The weighted sum over sources for each response: sum_k weights[k] * scores[k][i]."""
+def reward_weights(weights: list[float] | None, reward_pretrain: list[str] | None, reward_fn: str | None,
+                   remote_rm_url: str | None) -> list[float]:
+    """One weight per reward source, in the order --reward_weights lists them: each --reward_pretrain, then
+    --reward_fn, then --remote_rm_url. The flag's weights, or 1.0 each; a run without any source, or with a weight
+    count that does not match, is refused here, before anything loads."""
+    num_sources = len(reward_pretrain or []) + bool(reward_fn) + bool(remote_rm_url)
+    if num_sources == 0:
+        raise UserError("no reward source: give --reward_pretrain, --reward_fn or --remote_rm_url (or several).")
+    if weights and len(weights) != num_sources:
+        raise UserError(f"--reward_weights has {len(weights)} weights for {num_sources} reward sources; give one "
+                        f"per source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url.")
+    return list(weights) if weights else [1.0] * num_sources
+
+
+def combine_rewards(scores: list, weights: list[float]) -> torch.Tensor:
+    """The weighted sum over sources for each response, sum_k weights[k] * scores[k][i], in float32; `scores` holds
+    one sequence (list or tensor) of rewards per source."""
     if len(scores) != len(weights) or not scores:
         raise ValueError(f"need one weight per reward source, got {len(weights)} weights for {len(scores)} sources")
-    return [sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(scores[0]))]
+    total = torch.zeros(len(scores[0]))
+    for weight, source in zip(weights, scores):
+        total += weight * torch.as_tensor(source, dtype=torch.float)
+    return total

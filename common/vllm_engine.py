@@ -9,6 +9,10 @@ Only plain Python data crosses Ray. On GPU each engine holds `tensor_parallel_si
 (bundles of {"GPU": 1, "CPU": 1}), and vLLM spreads a tensor-parallel engine over them with its Ray backend. On CPU
 each engine holds `num_cpus_per_engine` CPUs and tensor parallelism is not available. Weight updates use
 common/weight_sync.py, whose worker extension every engine loads.
+
+For a driver: `generate(engines, ...)` deals prompts out over several engines and `wait_for` waits on a call that
+involves them (the weight sync), both raising EngineDied when an engine is gone; `SleepSchedule` hands colocated
+engines' GPU memory to the trainer between rollouts.
 """
 
 import logging
@@ -289,3 +293,44 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
          f"the vLLM engines ({what}) did not start", "check that Ray has room for them and that the model loads "
          "(the engine's log in /tmp/ray/session_latest/logs says which), or raise ENGINE_START_TIMEOUT_S")
     return engines
+
+
+# ------------------------------------------------------------------------------------- using engines from a driver
+class EngineDied(RuntimeError):
+    """A vLLM engine actor is gone; the run stops and can be resumed from its last checkpoint."""
+
+
+def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+             max_tokens: int) -> list[list[dict]]:
+    """VLLMEngine.generate over all engines, the prompts dealt out in turn; raises EngineDied if one is gone."""
+    chunks = [prompt_ids[i:: len(engines)] for i in range(len(engines))]
+    refs = [e.generate.remote(c, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+            for e, c in zip(engines, chunks)]
+    try:
+        results = ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        raise EngineDied(f"a vLLM engine died while generating ({type(e).__name__})") from None
+    merged = [None] * len(prompt_ids)
+    for i, result in enumerate(results):
+        merged[i:: len(engines)] = result
+    return merged
+
+
+def wait_for(refs: list, engines: list, what: str) -> list:
+    """ray.get(refs), checking every few seconds that the engines still live: a broadcast to a dead engine would
+    otherwise wait for the process group's timeout."""
+    def check_engines():
+        try:
+            ray.get([e.ready.remote() for e in engines], timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise EngineDied(f"a vLLM engine died during {what} ({type(e).__name__})") from None
+
+    while True:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+        if len(done) == len(refs):
+            try:
+                return ray.get(refs)
+            except ray.exceptions.RayTaskError:  # e.g. the broadcast's connection to a killed engine was reset
+                check_engines()
+                raise
+        check_engines()

@@ -34,8 +34,8 @@ class CountingLM(torch.nn.Module):
         return SimpleNamespace(logits=self.embed(input_ids))  # (batch, seq, vocab)
 
 
-def policy_worker(**flags) -> ppo_ray.PolicyWorker:
-    worker = ppo_ray.PolicyWorker()  # a plain class until ray.remote wraps it; setup() would load a model
+def policy_worker(**flags) -> ppo_ray.ActorWorker:
+    worker = ppo_ray.ActorWorker()  # a plain class until ray.remote wraps it; setup() would load a model
     worker.args, worker.engine = ppo_ray.Args(**flags), CountingLM()
     return worker
 

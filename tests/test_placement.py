@@ -293,7 +293,8 @@ def ray_gets_without_timeout(source: str) -> list[str]:
 
 
 def test_start_up_code_waits_on_ray_only_with_a_timeout():
-    sources = {"common/ray_workers.py": inspect.getsource(ray_workers),
+    start_up = (ray_workers.RayWorker, ray_workers.WorkerGroup, ray_workers.make_placement_group, ray_workers.wait)
+    sources = {**{f"ray_workers.{part.__name__}": inspect.getsource(part) for part in start_up},
                "create_vllm_engines": inspect.getsource(vllm_engine.create_vllm_engines),
                "ppo_ray.place_roles": inspect.getsource(ppo_ray.place_roles)}
     unbounded = {where: calls for where, source in sources.items() if (calls := ray_gets_without_timeout(source))}

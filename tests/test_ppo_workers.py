@@ -74,7 +74,7 @@ def test_ptx_rows_walk_the_whole_set_across_steps_and_ranks_and_resume(tiny_mode
     ptx = [{"input_ids": [tokenizer.bos_token_id, 10 + i, tokenizer.eos_token_id], "loss_mask": [0, 1, 1]}
            for i in range(24)]
     experience = experience_batch(tokenizer, [3, 2, 4, 3])  # 2 micro-batches of 2 rows per fit
-    ranks = [worker(ppo_ray.PolicyWorker, args, engine, tokenizer, rank, world_size=2) for rank in range(2)]
+    ranks = [worker(ppo_ray.ActorWorker, args, engine, tokenizer, rank, world_size=2) for rank in range(2)]
     for policy in ranks:
         policy.set_ptx_data(ptx)
 
@@ -84,7 +84,7 @@ def test_ptx_rows_walk_the_whole_set_across_steps_and_ranks_and_resume(tiny_mode
     one_pass = [i for rows in drawn.values() for i in rows]
     assert sorted(one_pass) == list(range(24)), f"rows repeated before the set was used up: {drawn}"
 
-    resumed = worker(ppo_ray.PolicyWorker, args, engine, tokenizer, rank=1, world_size=2)
+    resumed = worker(ppo_ray.ActorWorker, args, engine, tokenizer, rank=1, world_size=2)
     resumed.set_ptx_data(ptx)
     assert ptx_rows_drawn(resumed, ptx, experience, 1, monkeypatch) == drawn[(1, 1)]
     next_pass = ptx_rows_drawn(ranks[0], ptx, experience, 3, monkeypatch)
@@ -100,10 +100,11 @@ def test_critic_from_reward_model_starts_on_the_normalised_reward_scale(tiny_mod
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32)
     rm.config.reward_mean, rm.config.reward_std = 0.7, 2.5
     args = ppo_ray.Args(micro_train_batch_size=4, normalize_reward=True)
+    reward_model = worker(ppo_ray.RewardModelWorker, args, FakeEngine(rm), tokenizer)
     critic = worker(ppo_ray.CriticWorker, args, FakeEngine(rm), tokenizer)
     batch = experience_batch(tokenizer, [3, 6])  # row 0 is shorter, so its last token has a value in the batch
 
-    scores = critic.scores(batch)  # (batch,), normalised
+    scores = reward_model.scores(batch)  # (batch,), normalised
     values = critic.values(batch)  # (batch, seq - 1): entry t is the value of the sequence up to token t
     last = int(batch["attention_mask"][0].sum()) - 1  # row 0's EOS
     raw_score = (scores[0] * 2.5 + 0.7).item()

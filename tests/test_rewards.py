@@ -97,9 +97,18 @@ def test_reward_model_loading_and_tokenizer_mistakes(tiny_model, tmp_path):
 
 
 def test_combine_rewards_is_a_weighted_sum():
-    assert rewards.combine_rewards([[1.0, 2.0], [10.0, 0.0]], [0.5, 2.0]) == [20.5, 1.0]
+    assert rewards.combine_rewards([[1.0, 2.0], torch.tensor([10.0, 0.0])], [0.5, 2.0]).tolist() == [20.5, 1.0]
     with pytest.raises(ValueError):
         rewards.combine_rewards([[1.0]], [1.0, 1.0])
+
+
+def test_reward_weights_one_per_source_in_flag_order():
+    assert rewards.reward_weights(None, ["a", "b"], "f.py:g", None) == [1.0, 1.0, 1.0]
+    assert rewards.reward_weights([0.5, 2.0], ["a"], None, "http://rm") == [0.5, 2.0]
+    with pytest.raises(UserError, match=r"^--reward_weights has 1 weights for 2 reward sources; give one per source"):
+        rewards.reward_weights([1.0], ["a"], "f.py:g", None)
+    with pytest.raises(UserError, match=r"^no reward source: give --reward_pretrain"):
+        rewards.reward_weights(None, [], None, None)
 
 
 # ----------------------------------------------------------------------------------------- remote reward model
