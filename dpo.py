@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
 from common import checkpoint, data
-from common.args import UserError, check_model_path, parse_args, run_main
+from common.args import UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
@@ -183,6 +183,8 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
 
 def main(args: Args):
     check_model_path(args.pretrain)
+    check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
+    check_output_dir(args.output_dir)
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
         raise UserError(f"--beta must be positive and --label_smoothing in [0, 0.5), got {args.beta} and "
                         f"{args.label_smoothing}.")
@@ -288,4 +290,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args(Args))
+    run_main(main, parse_args(Args),
+             saved=lambda args: checkpoint.saved_note(args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")))

@@ -46,7 +46,7 @@ import torch
 
 from common import memory_plan, rewards
 from common import ppo_tricks as tricks
-from common.args import UserError, check_model_path, parse_args, run_main
+from common.args import Interrupted, UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
 from common.data import DataError, get_key, load_records, render_prompt, stream_indices
 from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerGroup, check_bundle_shares, check_resources, gather,
@@ -638,8 +638,15 @@ def check_args(args: Args) -> None:
             raise UserError(f"{rollout} responses per step do not split into {workers} {role} worker(s) x "
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
     check_model_path(args.pretrain)
-    for path in args.reward_pretrain or []:
-        check_model_path(path, "--reward_pretrain")
+    check_output_dir(args.output_dir)
+    sequence = ("--prompt_max_len + --generate_max_len", args.prompt_max_len + args.generate_max_len,
+                "--prompt_max_len or --generate_max_len")
+    check_lengths(args.pretrain, *sequence)
+    for flag, path in [("--reward_pretrain", p) for p in args.reward_pretrain or []] + [
+            ("--critic_pretrain", args.critic_pretrain)]:
+        if path:
+            check_model_path(path, flag)
+            check_lengths(path, *sequence, flag)
 
 
 def start_ray(args: Args) -> None:
@@ -835,12 +842,13 @@ def resume(roles: dict, ckpt_dir: str, kl_ctl) -> int:
     return state["step"]
 
 
-def stopped_by_dead_engine(error: EngineDied, step: int, ckpt_dir: str) -> UserError:
-    """The sentence a run ends with when an engine died: where it was, and what is safe on disk."""
+def stopped(why: str, step: int, ckpt_dir: str, error=UserError) -> UserError:
+    """The sentence a run ends with when an engine died or the user stopped it: where it was, and what is safe on
+    disk (the last committed step; a checkpoint being written when it stopped is not committed)."""
     state_file = os.path.join(ckpt_dir, "driver_state.json")
     done = json.load(open(state_file))["step"] if os.path.exists(state_file) else None
     where = f"the checkpoint of step {done} in {ckpt_dir} is intact" if done else "no checkpoint was saved"
-    return UserError(f"{error} at step {step + 1}; {where}. Rerun the same command to resume.")
+    return error(f"{why} at step {step + 1}; {where}. Rerun the same command to resume.")
 
 
 def connect(args: Args, roles: dict, ptx_samples: list[dict] | None) -> None:
@@ -911,7 +919,9 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
         bar.close()
         final = evaluate(args, roles, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
     except EngineDied as e:
-        raise stopped_by_dead_engine(e, step, ckpt_dir) from None
+        raise stopped(str(e), step, ckpt_dir) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (run_main turns it into one)
+        raise stopped("interrupted", step, ckpt_dir, Interrupted) from None
     if final:
         logger.log(args.max_steps, final)
     logger.close()

@@ -63,7 +63,8 @@ import ray
 import torch
 
 from common import data, rewards
-from common.args import UserError, parse_args, run_main
+from common.args import (UserError, check_lengths, check_model_path, check_output_dir, model_max_len, parse_args,
+                         run_main)
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import MetricsLogger, progress
 from common.vllm_engine import create_vllm_engines
@@ -110,8 +111,9 @@ class Args:
     """share of each GPU's memory a vLLM engine may take"""
     enforce_eager: bool = False
     """run vLLM without CUDA graphs (starts faster)"""
-    max_model_len: int = 2048
-    """context of the vLLM engines: every prompt plus --generate_max_len tokens must fit in it"""
+    max_model_len: int | None = None
+    """context of the vLLM engines: every prompt plus --generate_max_len tokens must fit in it (default: what the
+    model takes, at most 2048)"""
     n_samples_per_prompt: int = 8
     """responses sampled per prompt (the n of best-of-n)"""
     temperature: float = 1.0
@@ -201,9 +203,25 @@ def select(mode: str, prompts: list, responses: list[list[str]], scores: list[li
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
+# --max_model_len when it is not given and the model takes more: what the engines reserve KV cache for.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
 def check_args(args: Args) -> None:
-    """Mistakes in the flags alone, caught before anything loads."""
+    """Mistakes in the flags, caught before anything loads; fills in --max_model_len from the model."""
     rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
+    check_model_path(args.pretrain)
+    check_output_dir(args.output_dir)
+    limit = model_max_len(args.pretrain)
+    if args.max_model_len is None:
+        args.max_model_len = min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+    check_lengths(args.pretrain, "--max_model_len", args.max_model_len, "--max_model_len")
+    for path in args.reward_pretrain:
+        check_model_path(path, "--reward_pretrain")
+        check_lengths(path, "--max_model_len", args.max_model_len, "--max_model_len", "--reward_pretrain")
+    if args.generate_max_len >= args.max_model_len:
+        raise UserError(f"--generate_max_len {args.generate_max_len} leaves no room for a prompt in --max_model_len "
+                        f"{args.max_model_len}; lower --generate_max_len.")
     if args.mode == "dpo_pairs" and args.n_samples_per_prompt < 2:
         raise UserError(f"--mode dpo_pairs needs --n_samples_per_prompt of at least 2 to pair a best and a worst "
                         f"response, got {args.n_samples_per_prompt}.")
@@ -317,6 +335,13 @@ def write_atomic(path: str, text: str) -> None:
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def finished_note(args: Args) -> str:
+    """What a stopped run keeps, as a clause: the iterations it finished (a resumed run starts after them)."""
+    path = os.path.join(args.output_dir, "state.json")
+    done = json.load(open(path))["finished_iterations"] if os.path.exists(path) else 0
+    return f"{done} finished iteration(s) in {args.output_dir} are kept" if done else "no iteration was finished"
 
 
 def load_state(args: Args) -> dict:
@@ -468,4 +493,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args(Args))
+    run_main(main, parse_args(Args), saved=finished_note)

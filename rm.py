@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 from common import checkpoint, data
-from common.args import UserError, check_model_path, parse_args, run_main
+from common.args import UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
 from common.deepspeed_utils import device, ds_config, init_distributed, init_train_engine, load_model, load_tokenizer
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import sequence_rewards
@@ -178,6 +178,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
 
 def main(args: Args):
     check_model_path(args.pretrain)
+    check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
+    check_output_dir(args.output_dir)
     rank, world_size, local_rank = init_distributed()
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.pretrain)
@@ -262,4 +264,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args(Args))
+    run_main(main, parse_args(Args),
+             saved=lambda args: checkpoint.saved_note(args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")))

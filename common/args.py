@@ -16,8 +16,10 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import os
 import re
+import signal
 import sys
 import textwrap
 import types
@@ -33,6 +35,64 @@ def check_model_path(path: str, flag: str = "--pretrain") -> None:
             raise UserError(f"{flag} {path} has no config.json; give a Hugging Face model folder.")
     elif not (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not path.startswith(".")):
         raise UserError(f"{flag} {path} does not exist; give a Hugging Face model folder or hub name.")
+
+
+def check_output_dir(path: str, flag: str = "--output_dir") -> None:
+    """Refuse an output folder that is a file, or that this user cannot create or write, before any work is done."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a file; give a folder (it is created if missing).")
+    existing = path
+    while existing and not os.path.exists(existing):  # the nearest folder that exists is the one written into
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    existing = existing or "."
+    if not os.path.isdir(existing):
+        raise UserError(f"{flag} {path} is inside {existing}, which is a file; give a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path} cannot be written: {os.path.abspath(existing)} is not writable by this user; "
+                        f"give a folder you can write to.")
+
+
+# config.json keys that bound a model's sequence length; vLLM takes the smallest one present (vllm/config/model.py).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                 "max_seq_length", "seq_len", "model_max_length")
+# RoPE scaling types whose max_position_embeddings already is the stretched length; others multiply it by "factor".
+STRETCHED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_max_len(path: str) -> int | None:
+    """The longest sequence the local model folder `path` takes, derived from its config.json as vLLM derives it
+    (the smallest position key, stretched by a RoPE scaling factor, capped by the tokenizer's model_max_length), or
+    None when the folder is not local or its config names no length."""
+    folder = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config = config.get("text_config") or config  # multimodal configs keep the language model's apart
+    lengths = [config[k] for k in POSITION_KEYS if isinstance(config.get(k), int) and config[k] > 0]
+    if not lengths:
+        return None
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if (rope.get("rope_type") or rope.get("type")) in STRETCHED_ROPE_TYPES or not isinstance(factor, (int, float)):
+        factor = 1
+    limit = int(min(lengths) * factor)
+    tokenizer_config = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config):
+        with open(tokenizer_config) as f:
+            tokenizer_max = json.load(f).get("model_max_length")
+        if isinstance(tokenizer_max, int) and 0 < tokenizer_max < limit:
+            limit = tokenizer_max
+    return limit
+
+
+def check_lengths(path: str, what: str, tokens: int, fix: str, flag: str = "--pretrain") -> None:
+    """Refuse, before anything loads, a sequence length (`what`, e.g. "--max_len") beyond what the model `path`
+    takes: a vLLM engine would stop with a long traceback, a trainer would index positions the model lacks."""
+    limit = model_max_len(path)
+    if limit is not None and tokens > limit:
+        raise UserError(f"{what} is {tokens} tokens, more than {flag} {path} takes ({limit}, from its config.json); "
+                        f"lower {fix}.")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -97,27 +157,52 @@ class UserError(ValueError):
     """A mistake in the user's flags, files or data; its message says what to change."""
 
 
-def run_main(main, args) -> None:
+class Interrupted(UserError):
+    """Ctrl-C or SIGTERM stopped the run; the message says where, and what survives (exit code 130, as a shell
+    reports a Ctrl-C)."""
+
+    exit_code = 130
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_main(main, args, saved=None) -> None:
     """Run main(args); a mistake in the user's flags or data ends the run with one sentence and exit code 2.
 
-    Every rank hits the same mistake, so only rank 0 prints it. Anything else keeps its full traceback.
+    Ctrl-C and SIGTERM (a scheduler's stop) end it with one sentence too, exit code 130: "interrupted; the
+    checkpoint of step 40 in DIR is intact. Rerun the same command to resume.", where `saved(args)` names what
+    survives (e.g. checkpoint.saved_note). Every rank hits the same mistake, so only rank 0 prints it. Anything else
+    keeps its full traceback.
     """
     if not sys.stderr.isatty():  # in a log file, the "Loading weights" bars' redraws are noise
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         main(args)
     except UserError as e:
-        from tqdm import tqdm
+        _stop(str(e), getattr(e, "exit_code", 2))
+    except KeyboardInterrupt:
+        where = saved(args) if saved else None
+        _stop(f"interrupted; {where}. Rerun the same command to resume." if where else "interrupted.", 130)
 
-        for bar in list(tqdm._instances):  # end any progress bar's line, so the error starts a line of its own
-            bar.close()
-        ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
-            ray.shutdown()  # joins Ray's threads that print worker deaths, so that none writes into the error's line
-        sys.stdout.flush()
-        if os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"error: {e}\n")  # one write: a line no other thread can split
-            sys.stderr.flush()
-        sys.exit(2)
+
+def _stop(message: str, exit_code: int) -> None:
+    """Print `message` as the run's last line, "error: ...", and exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the clean-up short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):  # end any progress bar's line, so the error starts a line of its own
+        bar.close()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()  # joins Ray's threads that print worker deaths, so that none writes into the error's line
+    sys.stdout.flush()
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"error: {message}\n")  # one write: a line no other thread can split
+        sys.stderr.flush()
+    sys.exit(exit_code)

@@ -94,6 +94,16 @@ def checkpoint_steps(ckpt_dir: str) -> list[int]:
     return sorted(int(p.rsplit("_", 1)[1]) for p in glob.glob(os.path.join(ckpt_dir, "step_*")) if p[-1].isdigit())
 
 
+def saved_note(ckpt_dir: str) -> str:
+    """What a stopped run leaves to resume from, as a clause: "the checkpoint of step 40 in DIR is intact"."""
+    latest = os.path.join(ckpt_dir, LATEST)
+    if not os.path.exists(latest):
+        return "no checkpoint was saved"
+    with open(latest) as f:
+        step = f.read().strip().removeprefix("step_")
+    return f"the checkpoint of step {step} in {ckpt_dir} is intact"
+
+
 def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict, rank: int,
                      keep_last: int = 2) -> None:
     """Save every engine's DeepSpeed state + client_state + RNG as ckpt_dir/step_{step}, atomically. Collective.

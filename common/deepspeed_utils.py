@@ -4,8 +4,11 @@ One code path for CPU and GPU: on CUDA the model trains in bf16 with NCCL (and f
 on CPU in fp32 with gloo. `python script.py` runs as a single rank; `deepspeed --num_gpus N script.py` runs N.
 """
 
+import glob
 import math
 import os
+import sys
+import time
 
 import deepspeed
 import torch
@@ -21,6 +24,35 @@ from common.net import free_port
 ZERO3_PERSISTENCE_THRESHOLD = 10_000
 
 
+# A DeepSpeed op build takes a few minutes at most; a lock older than this was left by a build that was killed.
+STALE_BUILD_LOCK_S = 900
+
+
+def wait_for_op_builds(timeout_s: float = STALE_BUILD_LOCK_S) -> None:
+    """Wait, saying so, while another process JIT-builds a DeepSpeed op; refuse a lock left by a killed build.
+
+    torch builds an op under <TORCH_EXTENSIONS_DIR>/<op>/ holding the file `lock`, and any other process that wants
+    the op waits for that file to go, without a word and without end: a run killed mid-build leaves it behind.
+    """
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                   "torch_extensions")
+    said = set()
+    for lock in glob.glob(os.path.join(root, "**", "lock"), recursive=True):
+        while os.path.exists(lock):
+            try:
+                age = time.time() - os.path.getmtime(lock)
+            except FileNotFoundError:  # the build finished meanwhile
+                break
+            if age > timeout_s:
+                raise UserError(f"{lock} is {age / 60:.0f} minutes old: a DeepSpeed op build that was killed left it "
+                                f"behind, and every run would wait on it forever; delete it (rm {lock}) and rerun.")
+            if lock not in said:
+                print(f"waiting for {lock}: another process is building that DeepSpeed op (for {age:.0f} s); if "
+                      f"none is, a killed build left it behind: delete it.", file=sys.stderr, flush=True)
+                said.add(lock)
+            time.sleep(1)
+
+
 def init_distributed() -> tuple[int, int, int]:
     """Join (or, under plain `python`, create) the default process group; return (rank, world_size, local_rank)."""
     if "RANK" not in os.environ:  # plain `python script.py`: a world of one
@@ -29,6 +61,7 @@ def init_distributed() -> tuple[int, int, int]:
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():  # a visible device's index, also under Ray (ray_workers.join_world): DeepSpeed's
         torch.cuda.set_device(local_rank)  # engine and zero.Init call set_device(LOCAL_RANK) themselves
+    wait_for_op_builds()  # the CPU backend's shared-memory op is built on first use
     deepspeed.init_distributed()
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
 
@@ -162,6 +195,7 @@ def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: boo
 def init_train_engine(model, config: dict, lr: float, weight_decay: float, total_steps: int, warmup_ratio: float,
                       min_lr_ratio: float, offload_optimizer: bool = False):
     """Wrap a model with DeepSpeed for training: AdamW + cosine schedule. Returns the engine."""
+    wait_for_op_builds()  # the optimizer's op (cpu_adam with --offload_optimizer) may be built on first use
     optimizer = adamw(model, lr, weight_decay, offload=offload_optimizer)
     # The schedule is built on the optimizer DeepSpeed wraps (ZeRO regroups parameters), hence the callable.
     schedule = lambda wrapped: cosine_schedule(wrapped, total_steps, warmup_ratio, min_lr_ratio)

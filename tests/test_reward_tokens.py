@@ -75,7 +75,8 @@ def rejection_sampling_sequence(path, monkeypatch, apply_chat_template) -> list[
     monkeypatch.setattr(rewards, "sequence_rewards", recording)
     args = rejection_sampling.Args(pretrain=path, reward_pretrain=[path], apply_chat_template=apply_chat_template,
                                    input_template=None if apply_chat_template else "Q: {} A: ",
-                                   n_samples_per_prompt=1)
+                                   n_samples_per_prompt=1, generate_max_len=16)
+    rejection_sampling.check_args(args)  # as main() does: fills in --max_model_len from the model
     rejection_sampling.score(args, [PROMPT], [None], [[RESPONSE]], None, "score")
     return seen[0]
 

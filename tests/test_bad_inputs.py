@@ -1,0 +1,193 @@
+"""Bad inputs and faults, every script: one sentence on stderr naming the fix, the exit code, no traceback, nothing
+written, and what was saved left intact.
+
+The fast cases fail before a model loads, so they run each script's own `main` through `run_main` in this process
+(the `__main__` path minus interpreter start-up); the slow ones run the scripts as a user does and stop them with
+Ctrl-C or SIGTERM mid-run. docs/reliability.md lists each fault, what the user sees and the test that shows it.
+"""
+
+import importlib
+import json
+import os
+import signal
+import time
+
+import pytest
+from conftest import ROOT, run_script
+
+from common.args import parse_args, run_main
+
+TRAINERS = ["sft", "rm", "dpo", "kto"]
+SCRIPTS = TRAINERS + ["ppo_ray", "rejection_sampling"]
+RULE = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
+
+
+def command(script: str, model: str, task: dict, out: str, *extra: str) -> list[str]:
+    """A run of `script` that would work, on the tiny model and the task, with `extra` flags last (they win)."""
+    data = {"sft": task["sft_train"], "rm": task["pref_train"], "dpo": task["pref_train"], "kto": task["kto_train"]}
+    if script in data:
+        return ["--pretrain", model, "--dataset", data[script], "--max_len", "64", "--output_dir", out, *extra]
+    if script == "ppo_ray":
+        return ["--pretrain", model, "--prompt_data", task["prompts_train"], "--reward_fn", RULE,
+                "--prompt_max_len", "32", "--generate_max_len", "8", "--output_dir", out, *extra]
+    return ["--pretrain", model, "--dataset", task["prompts_train"], "--reward_fn", RULE, "--max_model_len", "64",
+            "--generate_max_len", "8", "--output_dir", out, *extra]
+
+
+def run_in_process(script: str, argv: list[str], capsys) -> tuple[int, str]:
+    """(exit code, stderr) of `python script.py argv`, run here: parse_args + run_main(main), as __main__ does."""
+    module = importlib.import_module(script)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            run_main(module.main, parse_args(module.Args, argv))
+    finally:  # run_main sets these for the run; this process goes on
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return stop.value.code, capsys.readouterr().err
+
+
+def check_refused(code: int, stderr: str, words: str, out: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], stderr[-2000:]
+    assert lines[0].endswith("."), lines[0]
+    assert not os.path.exists(out) or os.path.isfile(out), f"{out} was written"
+
+
+# ------------------------------------------------------------------------------------------------ the fixtures
+@pytest.fixture(scope="module")
+def short_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model, said to take only 32 positions (as a model built for short inputs would)."""
+    folder = tmp_path_factory.mktemp("short_model")
+    for name in os.listdir(tiny_model):
+        os.symlink(os.path.join(tiny_model, name), folder / name)
+    config = json.load(open(os.path.join(tiny_model, "config.json")))
+    os.remove(folder / "config.json")
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("bad_files")
+    (folder / "a_file").write_text("not a folder\n")
+    (folder / "no_config").mkdir()
+    (folder / "empty.jsonl").write_text("")
+    (folder / "malformed.jsonl").write_text('{"prompt": "What is 1+1?"}\n{"prompt": "What is 2+2?"\n')
+    (folder / "other_keys.jsonl").write_text('{"question": "What is 1+1?", "answer": "2"}\n')
+    return {name: str(folder / name) for name in ("a_file", "no_config", "empty.jsonl", "malformed.jsonl",
+                                                  "other_keys.jsonl")}
+
+
+# ------------------------------------------------------------------------------------------ fast: flags, files
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("fault,words", [
+    ("model path missing", "does not exist; give a Hugging Face model folder"),
+    ("model folder without config.json", "has no config.json; give a Hugging Face model folder"),
+    ("output dir is a file", "is a file; give a folder"),
+    ("lengths beyond the model's positions", "more than --pretrain"),
+])
+def test_refused_before_anything_loads(script, fault, words, tiny_model, short_model, task, bad_files, tmp_path,
+                                       capsys):
+    out = str(tmp_path / "out")
+    model = {"model path missing": str(tmp_path / "no_such_model"),
+             "model folder without config.json": bad_files["no_config"],
+             "lengths beyond the model's positions": short_model}.get(fault, tiny_model)
+    if fault == "output dir is a file":
+        out = bad_files["a_file"]
+    code, stderr = run_in_process(script, command(script, model, task, out), capsys)
+    check_refused(code, stderr, words, out)
+
+
+@pytest.mark.parametrize("script", ["ppo_ray", "rejection_sampling"])
+@pytest.mark.parametrize("extra,words", [
+    (["--reward_fn", "no_such_file.py:score"], "no_such_file.py"),
+    (["--reward_fn", RULE.replace(":reward_fn", ":no_such_function")], "no_such_function"),
+    (["--reward_weights", "1", "2"], "--reward_weights has 2 weights for 1 reward sources"),
+])
+def test_reward_flags_that_cannot_work_are_refused(script, extra, words, tiny_model, task, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    code, stderr = run_in_process(script, command(script, tiny_model, task, out, *extra), capsys)
+    check_refused(code, stderr, words, out)
+
+
+@pytest.mark.parametrize("script", ["ppo_ray", "rejection_sampling"])
+@pytest.mark.parametrize("data,words", [
+    ("empty.jsonl", "is empty"),
+    ("malformed.jsonl", "line 2"),
+    ("other_keys.jsonl", "'prompt'"),
+])
+def test_prompt_data_faults_name_the_file_and_the_fix(script, data, words, tiny_model, task, bad_files, tmp_path,
+                                                      capsys):
+    out = str(tmp_path / "out")
+    flag = "--prompt_data" if script == "ppo_ray" else "--dataset"
+    argv = command(script, tiny_model, task, out)
+    argv[argv.index(flag) + 1] = bad_files[data]
+    code, stderr = run_in_process(script, argv, capsys)
+    check_refused(code, stderr, words, out)
+    assert bad_files[data] in stderr
+
+
+def test_rejection_sampling_defaults_its_context_to_the_models(short_model, task, tmp_path, capsys):
+    """The engines' context defaults to what the model takes (it was 2048 whatever the model, and vLLM refused a
+    32-position model with a 30-line traceback); a response as long as the context leaves no room for a prompt."""
+    out = str(tmp_path / "out")
+    argv = command("rejection_sampling", short_model, task, out)
+    argv = [w for i, w in enumerate(argv) if "--max_model_len" not in argv[max(i - 1, 0): i + 1]]
+    code, stderr = run_in_process("rejection_sampling", argv + ["--generate_max_len", "32"], capsys)
+    check_refused(code, stderr, "--generate_max_len 32 leaves no room for a prompt in --max_model_len 32", out)
+
+
+# ------------------------------------------------------------------------------------ slow: stopped mid-run
+def stop_after_checkpoint(script: str, argv: list[str], first_checkpoint: str, sig: int, nprocs: int = 1):
+    """Start the script, wait for its first checkpoint, send `sig`; returns (exit code, output)."""
+    proc = run_script(script, argv, nprocs=nprocs, background=True)
+    deadline = time.time() + 600
+    while not os.path.exists(first_checkpoint) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    os.kill(proc.pid, sig)  # the process this test started, and no other
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, output
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_sft_says_what_survives_and_the_rerun_resumes(tiny_model, task, tmp_path):
+    out = str(tmp_path / "sft")
+    argv = command("sft", tiny_model, task, out, "--train_batch_size", "8", "--micro_train_batch_size", "8",
+                   "--max_steps", "400", "--save_steps", "2")
+    code, output = stop_after_checkpoint("sft.py", argv, os.path.join(out, "checkpoints", "latest"), signal.SIGINT)
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 130 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    latest = open(os.path.join(out, "checkpoints", "latest")).read().strip()
+    assert errors[0].startswith("error: interrupted; the checkpoint of step ") and latest.replace("_", " ") in errors[0]
+    assert errors[0].endswith("Rerun the same command to resume."), errors[0]
+
+    result = run_script("sft.py", argv[:argv.index("--max_steps") + 1] + [str(int(latest.split("_")[1]) + 2)]
+                        + argv[argv.index("--max_steps") + 2:])
+    assert f"resumed from {os.path.join(out, 'checkpoints')} at step {latest.split('_')[1]}" in result.stdout, \
+        result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_sigterm_on_ppo_ray_says_what_survives_and_the_rerun_resumes(tiny_model, task, tmp_path):
+    out = str(tmp_path / "ppo")
+    argv = command("ppo_ray", tiny_model, task, out, "--advantage_estimator", "rloo", "--n_samples_per_prompt", "2",
+                   "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "8",
+                   "--max_steps", "30", "--save_steps", "2")
+    state = os.path.join(out, "checkpoints", "driver_state.json")
+    code, output = stop_after_checkpoint("ppo_ray.py", argv, state, signal.SIGTERM)
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 130 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    saved = json.load(open(state))["step"]
+    assert errors[0].startswith("error: interrupted at step ") and f"checkpoint of step {saved}" in errors[0]
+
+    argv[argv.index("--max_steps") + 1] = str(saved + 1)
+    result = run_script("ppo_ray.py", argv)
+    assert f"at step {saved}" in result.stdout, result.stdout[-2000:]
