@@ -46,10 +46,11 @@ import torch
 
 from common import memory_plan, rewards
 from common import ppo_tricks as tricks
-from common.args import Interrupted, UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
+from common.args import (Interrupted, UserError, check_lengths, check_model_path, check_output_dir, parse_args,
+                         run_main, stop_on_sigterm)
 from common.data import DataError, get_key, load_records, render_prompt, stream_indices
 from common.logging_utils import MetricsLogger, progress, timed
-from common.ray_workers import (RayWorker, WorkerGroup, check_bundle_shares, check_resources, gather,
+from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, use_gpus, wait)
 from common.vllm_engine import EngineDied, SleepSchedule, create_vllm_engines, generate, wait_for
 from common.weight_sync import SYNC_TIMEOUT
@@ -300,7 +301,7 @@ def score(args: Args, reward_models: list, reward_fn, batch: dict, prompts: list
     pending = [group.call_sharded("scores", shard(batch, len(group), micro)) for group in reward_models]  # all at once
     sources, metrics = [], {}
     for i, parts in enumerate(pending):
-        sources.append(gather(parts, len(responses)))
+        sources.append(gather(reward_models[i], parts, len(responses)))
         metrics[f"rewards/rm{i}"] = sources[-1].mean()
     if reward_fn:
         sources.append(torch.tensor(rewards.call_reward_fn(reward_fn, prompts, responses, labels), dtype=torch.float))
@@ -334,9 +335,9 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
                             responses, [p["label"] for p in prompts for _ in range(n)])
 
     mask = batch["action_mask"]
-    old_logprobs = gather(actor_logprobs, rows)
-    ref_logprobs = gather(ref_logprobs, rows) if ref else old_logprobs
-    values = gather(critic_values, rows) if critic else torch.zeros_like(old_logprobs)
+    old_logprobs = gather(actor, actor_logprobs, rows)
+    ref_logprobs = gather(ref, ref_logprobs, rows) if ref else old_logprobs
+    values = gather(critic, critic_values, rows) if critic else torch.zeros_like(old_logprobs)
     token_kl = tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)  # (batch, seq - 1)
     advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)
     experience = {**batch, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "values": values,
@@ -664,6 +665,7 @@ def start_ray(args: Args) -> None:
         # "local": a Ray of this run's own, even when another Ray instance runs on this machine.
         ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, include_dashboard=False,
                  log_to_driver=False)
+    stop_on_sigterm()  # Ray's driver took SIGTERM over (it aborts); a stop should say what survives
 
 
 def place_roles(args: Args, total_actor_steps: int) -> dict:
@@ -782,9 +784,9 @@ def train_step(roles: dict, experience: dict, kl_coef: float, step: int, micro: 
     actor, critic = roles["actor"], roles.get("critic")
     actor_fit = actor.call_sharded("fit", shard(experience, len(actor), micro), kl_coef, step)
     critic_fit = critic.call_sharded("fit", shard(experience, len(critic), micro)) if critic else []
-    metrics = ray.get(actor_fit)[0]
+    metrics = actor.get(actor_fit)[0]
     if critic_fit:
-        metrics.update(ray.get(critic_fit)[0])
+        metrics.update(critic.get(critic_fit)[0])
     return metrics
 
 
@@ -818,8 +820,8 @@ def trained_roles(roles: dict) -> dict:
 
 def save_checkpoint(roles: dict, ckpt_dir: str, step: int, kl_ctl) -> None:
     """Every trained role's state, then the driver's state file, written last: it is what commits the step."""
-    ray.get([ref for name, group in trained_roles(roles).items() for ref in
-             group.call("save_state", os.path.join(ckpt_dir, name), step)])
+    for name, group in trained_roles(roles).items():
+        group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
     state_file = os.path.join(ckpt_dir, "driver_state.json")
     with open(state_file + ".tmp", "w") as f:
         json.dump({"step": step, "kl_ctl": kl_ctl.state_dict()}, f)
@@ -859,8 +861,10 @@ def connect(args: Args, roles: dict, ptx_samples: list[dict] | None) -> None:
          "actor rank 0 and the vLLM engines did not form their weight-sync group")
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "placement.json"), "w") as f:
-        placement = {name: roles[name].nodes for name in ("actor", "ref", "critic") if name in roles}
+        groups = {name: roles[name] for name in ("actor", "ref", "critic") if name in roles}
+        placement = {name: group.nodes for name, group in groups.items()}
         placement["rewards"] = [group.nodes for group in roles["rewards"]]
+        placement["pids"] = {name: group.get(group.call("pid")) for name, group in groups.items()}
         placement["vllm"] = ray.get([engine.node_id.remote() for engine in engines])
         placement["vllm_pids"] = ray.get([engine.pid.remote() for engine in engines])
         json.dump(placement, f, indent=1)
@@ -918,7 +922,7 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
                 save_checkpoint(roles, ckpt_dir, step + 1, kl_ctl)
         bar.close()
         final = evaluate(args, roles, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
-    except EngineDied as e:
+    except (EngineDied, WorkerDied) as e:
         raise stopped(str(e), step, ckpt_dir) from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (run_main turns it into one)
         raise stopped("interrupted", step, ckpt_dir, Interrupted) from None

@@ -63,8 +63,8 @@ import ray
 import torch
 
 from common import data, rewards
-from common.args import (UserError, check_lengths, check_model_path, check_output_dir, model_max_len, parse_args,
-                         run_main)
+from common.args import (UserError, check_lengths, check_model_path, check_output_dir, model_max_len,
+                         parse_args, run_main, stop_on_sigterm)
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import MetricsLogger, progress
 from common.vllm_engine import create_vllm_engines
@@ -260,6 +260,7 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
     Returns (responses, seconds spent sampling once the engines were up).
     """
     ray.init(address="local", include_dashboard=False, log_to_driver=False)  # this run's own, even if another runs
+    stop_on_sigterm()  # Ray's driver took SIGTERM over (it aborts); a stop should say what survives
     try:
         engines = create_vllm_engines(args.vllm_num_engines, args.vllm_tensor_parallel_size, policy, seed,
                                       args.max_model_len, args.vllm_gpu_memory_utilization, args.enforce_eager)

@@ -168,6 +168,13 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (a scheduler's or `kill`'s stop) end the run as Ctrl-C does, through run_main's sentence.
+
+    run_main calls it; call it again after ray.init(), whose driver installs a handler that aborts the process."""
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
 def run_main(main, args, saved=None) -> None:
     """Run main(args); a mistake in the user's flags or data ends the run with one sentence and exit code 2.
 
@@ -180,7 +187,7 @@ def run_main(main, args, saved=None) -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    stop_on_sigterm()
     try:
         main(args)
     except UserError as e:

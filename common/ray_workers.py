@@ -7,8 +7,11 @@ the bundles of one group and each take a fraction of a bundle.
 
     pg = make_placement_group(2, 1, "actor")
     actor = WorkerGroup(ActorWorker, pg, share=0.5, cpus_per_bundle=1, args=(args,), role="actor")
-    ray.get(actor.call("fit", experience))                                  # every rank, the same arguments
-    logprobs = gather(actor.call_sharded("logprobs", shard(batch, 2, micro)), len(batch["input_ids"]))  # a part each
+    actor.get(actor.call("fit", experience))                               # every rank, the same arguments
+    logprobs = gather(actor, actor.call_sharded("logprobs", shard(batch, 2, micro)), rows)  # a part of rows each
+
+`WorkerGroup.get` is ray.get that stops within seconds, with WorkerDied, when a worker of the group has died: the
+other ranks would otherwise wait in a collective until the process group's timeout.
 
 Every wait on start-up is bounded: a role Ray cannot place, or whose model does not load, ends the run with one
 sentence naming it instead of hanging.
@@ -42,6 +45,10 @@ class RayWorker:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """This worker's process id (placement.json), so that an operator or a test can end exactly this worker."""
+        return os.getpid()
 
     def empty_cache(self) -> None:
         """Hand the blocks torch's CUDA allocator keeps cached back to the GPU, for a colocated vLLM engine to use."""
@@ -132,7 +139,7 @@ class WorkerGroup:
 
     def __init__(self, cls, pg, share: float, cpus_per_bundle: float, args: tuple = (), env: dict | None = None,
                  role: str | None = None):
-        role = role or cls.__name__
+        role = self.role = role or cls.__name__
         num_workers = len(pg.bundle_specs)
         resources = {"num_gpus": share, "num_cpus": share} if use_gpus() else {"num_cpus": share * cpus_per_bundle}
         self.actors = [
@@ -156,6 +163,10 @@ class WorkerGroup:
         """Call `method` on every rank with the same arguments; returns the object refs (rank order)."""
         return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
 
+    def get(self, refs: list) -> list:
+        """ray.get(refs) of this group's calls; a worker that dies ends the wait at once (see get_alive)."""
+        return get_alive(refs, f"a worker of the {self.role}")
+
     def call_sharded(self, method: str, shards: list, *args) -> list:
         """Call `method` on rank i with shards[i] (+ args); returns the object refs (rank order)."""
         return [getattr(a, method).remote(shard, *args) for a, shard in zip(self.actors, shards, strict=True)]
@@ -177,6 +188,34 @@ def shard(batch: dict, n: int, micro: int) -> list[dict]:
     return [{k: v[index[i * size: (i + 1) * size]] for k, v in batch.items()} for i in range(n)]
 
 
-def gather(refs: list, rows: int) -> torch.Tensor:
-    """Concatenate the workers' results in rank order and drop the padding rows shard() added."""
-    return torch.cat(ray.get(refs))[:rows]
+def gather(group: "WorkerGroup", refs: list, rows: int) -> torch.Tensor:
+    """Concatenate the group's results in rank order and drop the padding rows shard() added."""
+    return torch.cat(group.get(refs))[:rows]
+
+
+class WorkerDied(RuntimeError):
+    """A role's worker is gone; the run stops and can be resumed from its last checkpoint."""
+
+
+def get_alive(refs: list, what: str) -> list:
+    """ray.get(refs), except that a worker that died ends the wait within seconds with WorkerDied(`what` died).
+
+    The other ranks of its role would wait for its part of a collective until the process group's timeout (30
+    minutes for DeepSpeed's), and a plain ray.get with them.
+    """
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=2)
+        check_alive(done, what)
+    return ray.get(refs)
+
+
+def check_alive(done: list, what: str) -> None:
+    """Raise WorkerDied if one of the finished refs `done` is the call of an actor that died."""
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDied(f"{what} died ({type(e).__name__})") from None
+        except ray.exceptions.RayTaskError:  # raised by the call itself: the caller's ray.get reports it
+            pass

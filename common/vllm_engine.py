@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group as new_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError, check_model_path
-from common.ray_workers import wait
+from common.ray_workers import check_alive, wait
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +327,7 @@ def wait_for(refs: list, engines: list, what: str) -> list:
 
     while True:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+        check_alive(done, f"a worker taking part in {what}")  # a trainer rank that died leaves the others waiting
         if len(done) == len(refs):
             try:
                 return ray.get(refs)

@@ -139,6 +139,28 @@ def test_rejection_sampling_defaults_its_context_to_the_models(short_model, task
     check_refused(code, stderr, "--generate_max_len 32 leaves no room for a prompt in --max_model_len 32", out)
 
 
+def test_a_deepspeed_op_build_lock_is_waited_on_aloud_and_a_stale_one_refused(tmp_path, monkeypatch, capsys):
+    """torch waits without a word and without end on <TORCH_EXTENSIONS_DIR>/<op>/lock, which a killed build leaves."""
+    import threading
+
+    from common.args import UserError
+    from common.deepspeed_utils import wait_for_op_builds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    threading.Timer(1.5, lock.unlink).start()  # another process finishing its build
+    wait_for_op_builds()
+    assert not lock.exists() and "another process is building that DeepSpeed op" in capsys.readouterr().err
+
+    lock.write_text("")
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.raises(UserError, match=r"is 60 minutes old: a DeepSpeed op build that was killed left it behind"):
+        wait_for_op_builds()
+
+
 # ------------------------------------------------------------------------------------ slow: stopped mid-run
 def stop_after_checkpoint(script: str, argv: list[str], first_checkpoint: str, sig: int, nprocs: int = 1):
     """Start the script, wait for its first checkpoint, send `sig`; returns (exit code, output)."""
@@ -175,19 +197,52 @@ def test_ctrl_c_on_sft_says_what_survives_and_the_rerun_resumes(tiny_model, task
         result.stdout[-2000:]
 
 
+def stop_ppo_ray(argv: list[str], out: str, stop) -> tuple[int, str, int]:
+    """Run ppo_ray.py until it commits a checkpoint newer than the one it may have resumed from, call stop(pid of
+    what placement.json records) on it; returns (exit code, output, seconds from the stop to the exit)."""
+    state = os.path.join(out, "checkpoints", "driver_state.json")
+    before = json.load(open(state))["step"] if os.path.exists(state) else 0
+    proc = run_script("ppo_ray.py", argv, background=True)
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline and (
+            not os.path.exists(state) or json.load(open(state))["step"] == before):
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    stop(proc.pid, json.load(open(os.path.join(out, "placement.json"))))
+    stopped = time.time()
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, output, time.time() - stopped
+
+
 @pytest.mark.slow
-def test_sigterm_on_ppo_ray_says_what_survives_and_the_rerun_resumes(tiny_model, task, tmp_path):
+def test_ppo_ray_stopped_by_a_dead_worker_or_sigterm_says_what_survives_and_resumes(tiny_model, task, tmp_path):
+    """A killed actor rank 1 would leave rank 0 in a collective until the process group's timeout (30 minutes);
+    SIGTERM met Ray's own handler, which aborted the driver. Both now end in one sentence, and the run resumes."""
     out = str(tmp_path / "ppo")
     argv = command("ppo_ray", tiny_model, task, out, "--advantage_estimator", "rloo", "--n_samples_per_prompt", "2",
                    "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "8",
-                   "--max_steps", "30", "--save_steps", "2")
+                   "--actor_num_workers", "2", "--max_steps", "30", "--save_steps", "2")
     state = os.path.join(out, "checkpoints", "driver_state.json")
-    code, output = stop_after_checkpoint("ppo_ray.py", argv, state, signal.SIGTERM)
+
+    # this run's actor rank 1, and no other process
+    code, output, took = stop_ppo_ray(argv, out, lambda pid, placed: os.kill(placed["pids"]["actor"][1],
+                                                                              signal.SIGKILL))
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+    assert "a worker of the actor died" in errors[0] and "Rerun the same command to resume" in errors[0], errors[0]
+    assert f"checkpoint of step {json.load(open(state))['step']} " in errors[0], errors[0]
+    assert took < 120, f"the run took {took:.0f} s to stop"
+
+    code, output, _ = stop_ppo_ray(argv, out, lambda pid, placed: os.kill(pid, signal.SIGTERM))
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert code == 130 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
     saved = json.load(open(state))["step"]
-    assert errors[0].startswith("error: interrupted at step ") and f"checkpoint of step {saved}" in errors[0]
+    assert errors[0].startswith("error: interrupted at step ") and f"checkpoint of step {saved} " in errors[0]
 
     argv[argv.index("--max_steps") + 1] = str(saved + 1)
-    result = run_script("ppo_ray.py", argv)
-    assert f"at step {saved}" in result.stdout, result.stdout[-2000:]
+    assert f"at step {saved}" in run_script("ppo_ray.py", argv).stdout
