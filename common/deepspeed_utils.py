@@ -121,6 +121,9 @@ def load_tokenizer(path: str, flag: str = "--pretrain"):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise UserError(f"{flag} {path}: no tokenizer could be loaded ({e}).") from None
+    if tokenizer.eos_token is None:
+        raise UserError(f"{flag} {path}: its tokenizer has no end-of-sequence token, which ends every response "
+                        f"these scripts train on or generate; set eos_token in its tokenizer_config.json.")
     if tokenizer.pad_token is None:  # many causal LMs ship without one; padding is always masked out
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -139,6 +139,22 @@ def test_rejection_sampling_defaults_its_context_to_the_models(short_model, task
     check_refused(code, stderr, "--generate_max_len 32 leaves no room for a prompt in --max_model_len 32", out)
 
 
+def test_a_tokenizer_without_pad_pads_with_eos_and_one_without_eos_is_refused(tiny_model, tmp_path):
+    from common.args import UserError
+    from common.deepspeed_utils import load_tokenizer
+
+    for name in os.listdir(tiny_model):
+        if name != "tokenizer_config.json":
+            os.symlink(os.path.join(tiny_model, name), tmp_path / name)
+    config = json.load(open(os.path.join(tiny_model, "tokenizer_config.json")))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": None}))
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer.pad_token is not None and tokenizer.pad_token == tokenizer.eos_token
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": None, "eos_token": None}))
+    with pytest.raises(UserError, match=r"its tokenizer has no end-of-sequence token, .*; set eos_token in its"):
+        load_tokenizer(str(tmp_path))
+
+
 def test_a_deepspeed_op_build_lock_is_waited_on_aloud_and_a_stale_one_refused(tmp_path, monkeypatch, capsys):
     """torch waits without a word and without end on <TORCH_EXTENSIONS_DIR>/<op>/lock, which a killed build leaves."""
     import threading
