@@ -13,7 +13,7 @@ of its own and vLLM generates:
       |- reward   workers, one group per RM  scores; plus a rule function and/or a remote RM, summed with weights
 
     python ppo_ray.py --pretrain SFT --reward_pretrain RM --prompt_data prompts.jsonl --apply_chat_template
-    deepspeed ppo_ray.py ...        # the same: one driver process; Ray starts the workers
+    deepspeed ppo_ray.py ...        # the same: the launcher's rank 0 drives, its others exit; Ray starts workers
 
 The file reads top to bottom: the flags; the PPO math (losses, advantages); make_experience, which turns vLLM's
 samples into what the update needs; the workers, one class per role (ActorWorker.fit is the PPO update); then the
@@ -44,16 +44,22 @@ from typing import Literal
 import ray
 import torch
 
+from transformers import AutoModelForSequenceClassification
+
 from common import memory_plan, rewards
 from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_lengths, check_model_path, check_output_dir, parse_args,
                          run_main, stop_on_sigterm)
-from common.data import DataError, get_key, load_records, render_prompt, stream_indices
+from common.checkpoint import load_train_state, save_hf_model, save_train_state
+from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
+from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
+                                    load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, use_gpus, wait)
-from common.vllm_engine import EngineDied, SleepSchedule, create_vllm_engines, generate, wait_for
-from common.weight_sync import SYNC_TIMEOUT
+from common.modeling import entropy_from_logits, sequence_rewards, token_logprobs, token_values
+from common.vllm_engine import COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, create_vllm_engines, generate, wait_for
+from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -354,8 +360,6 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
 # ------------------------------------------------------------------------------------------------- workers
 def split(batch: dict, size: int, shuffle_seed: int | None = None) -> list[dict]:
     """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs."""
-    from common.deepspeed_utils import device
-
     n = len(batch["input_ids"])
     order = list(range(n))
     if shuffle_seed is not None:
@@ -388,8 +392,6 @@ def micro_rollout(args: Args) -> int:
 
 def train_or_eval_config(args: Args, world_size: int, trainable: bool) -> dict:
     """The DeepSpeed config of a trained role, or of a frozen one (always ZeRO-3, optionally offloaded)."""
-    from common.deepspeed_utils import ds_config
-
     if trainable:
         return ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                          args.grad_clip, args.offload_optimizer)
@@ -402,9 +404,6 @@ class ModelWorker(RayWorker):
 
     def load(self, args: Args, path: str, total_steps: int | None, learning_rate: float = 0.0, **model_kwargs):
         """Load `path` as this rank's share of a ZeRO model: trained when `total_steps` is given, else frozen."""
-        from common.deepspeed_utils import (init_distributed, init_eval_engine, init_train_engine, load_model,
-                                            load_tokenizer)
-
         trainable = total_steps is not None
         self.args = args
         self.rank, self.world_size, self.local_rank = init_distributed()
@@ -420,14 +419,10 @@ class ModelWorker(RayWorker):
             self.engine = init_eval_engine(model, config)
 
     def save_state(self, ckpt_dir: str, step: int) -> None:
-        from common.checkpoint import save_train_state
-
         save_train_state({"model": self.engine}, ckpt_dir, step, {"step": step}, self.rank,
                          self.args.keep_last_checkpoints)
 
     def load_state(self, ckpt_dir: str, step: int) -> None:
-        from common.checkpoint import load_train_state
-
         load_train_state({"model": self.engine}, ckpt_dir, self.rank, step)
 
 
@@ -438,8 +433,6 @@ class ReferenceWorker(ModelWorker):
         self.load(args, path, None)
 
     def _logprobs(self, batch, with_entropy=False):
-        from common.modeling import entropy_from_logits, token_logprobs
-
         logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              position_ids=batch["position_ids"], use_cache=False).logits[:, :-1]
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
@@ -484,9 +477,6 @@ class ActorWorker(ReferenceWorker):
 
     def fit(self, experience: dict, kl_coef: float, step: int) -> dict:
         """The PPO policy update on this rank's share of the experience, for --max_epochs passes, at PPO `step`."""
-        from common.data import pad_collate
-        from common.modeling import token_logprobs
-
         args, stats = self.args, []
         micro_batches_per_step = args.max_epochs * -(-len(experience["input_ids"]) // args.micro_train_batch_size)
         self.engine.train()
@@ -516,14 +506,10 @@ class ActorWorker(ReferenceWorker):
                 "objective/entropy": mean[3], "policy/lr": self.engine.get_lr()[0]}
 
     def init_weight_sync(self, engines: list) -> None:
-        from common.weight_sync import init_weight_sync_group
-
         self.sync_group = init_weight_sync_group(engines) if self.rank == 0 else None
 
     def sync_weights(self, engines: list) -> dict:
         """Every rank gathers ZeRO-3 shards (collective); rank 0 broadcasts them to the engines in buckets."""
-        from common.weight_sync import broadcast_weights_to_vllm, iter_gathered_params
-
         params = iter_gathered_params(self.engine)
         if self.rank == 0:
             return broadcast_weights_to_vllm(params, engines, self.sync_group)
@@ -532,8 +518,6 @@ class ActorWorker(ReferenceWorker):
         return {}
 
     def save_model(self, out_dir: str) -> None:
-        from common.checkpoint import save_hf_model
-
         save_hf_model(self.engine, self.tokenizer, out_dir, self.rank)
 
 
@@ -541,8 +525,6 @@ class ScalarHeadWorker(ModelWorker):
     """A rank of a model with a scalar head on its backbone (AutoModelForSequenceClassification, one label)."""
 
     def load_scalar(self, args: Args, path: str, total_steps: int | None, learning_rate: float, flag: str):
-        from transformers import AutoModelForSequenceClassification
-
         self.load(args, path, total_steps, learning_rate, model_class=AutoModelForSequenceClassification,
                   num_labels=1, flag=flag)
 
@@ -561,8 +543,6 @@ class RewardModelWorker(ScalarHeadWorker):
     @torch.no_grad()
     def scores(self, batch: dict) -> torch.Tensor:
         """Reward-model scores read at each sequence's last token, (batch,)."""
-        from common.modeling import sequence_rewards
-
         self.engine.eval()
         return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"],
                                            self._normalizes())
@@ -578,8 +558,6 @@ class CriticWorker(ScalarHeadWorker):
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
         """Critic values for predicting each next token, (batch, seq - 1), aligned with the log-probs."""
-        from common.modeling import token_values
-
         self.engine.eval()
         width = batch["action_mask"].shape[1]
         return torch.cat([pad_right(token_values(self.engine, mb["input_ids"], mb["attention_mask"],
@@ -587,8 +565,6 @@ class CriticWorker(ScalarHeadWorker):
                           for mb in split(batch, micro_rollout(self.args))]).cpu()
 
     def fit(self, experience: dict, kl_coef: float = 0.0) -> dict:
-        from common.modeling import token_values
-
         args, stats = self.args, []
         self.engine.train()
         for epoch in range(args.max_epochs):
@@ -723,8 +699,6 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
 
 def role_shares(args: Args) -> dict[str, float]:
     """The share of its bundle (a GPU, or --cpus_per_worker CPUs) that each worker of a role asks Ray for."""
-    from common.vllm_engine import COLOCATED_GPU_SHARE
-
     share = 0.2 if args.colocate_all else (0.5 if args.colocate_actor_ref else 1.0)
     beside_critic = 0.5 if args.colocate_critic_reward else share
     return {"actor": share, "reference": share, "critic": beside_critic, "reward model": beside_critic,
@@ -750,8 +724,6 @@ def check_colocation(args: Args, shares: dict[str, float]) -> None:
 
 def check_tokenizers(args: Args, tokenizer) -> None:
     """Every model reads the actor's token ids, so every tokenizer must be the actor's."""
-    from common.deepspeed_utils import load_tokenizer
-
     for flag, path in [("--reward_pretrain", p) for p in args.reward_pretrain or []] + [
             ("--critic_pretrain", args.critic_pretrain)]:
         if path:
@@ -878,8 +850,6 @@ def load_data(args: Args, tokenizer) -> tuple[list[dict], list[dict], list[dict]
     eval_prompts = load_prompts(args, tokenizer, args.eval_prompt_data, "test") if args.eval_prompt_data else []
     ptx_samples = None
     if args.ptx_data:
-        from common.data import build_sft_samples
-
         ptx_samples = build_sft_samples(load_records(args.ptx_data), tokenizer, args.ptx_data, args.ptx_key, "",
                                         args.prompt_max_len + args.generate_max_len, pretrain_mode=True)
     return prompts, eval_prompts, ptx_samples
@@ -933,8 +903,6 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
 
 
 def main(args: Args):
-    from common.deepspeed_utils import load_tokenizer
-
     for name in ("pretrain", "output_dir", "critic_pretrain", "ckpt_dir"):  # workers may not share our cwd
         if getattr(args, name) and os.path.exists(getattr(args, name)):
             setattr(args, name, os.path.abspath(getattr(args, name)))

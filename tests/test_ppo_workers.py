@@ -62,7 +62,7 @@ def ptx_rows_drawn(policy, ptx, experience, step, monkeypatch) -> list[int]:
         drawn.extend(next(i for i, row in enumerate(ptx) if row is s) for s in samples)
         return PAD_COLLATE(samples, *args, **kwargs)
 
-    monkeypatch.setattr(data, "pad_collate", recording)
+    monkeypatch.setattr(ppo_ray, "pad_collate", recording)
     policy.fit(experience, 0.0, step)
     return drawn
 
