@@ -18,14 +18,17 @@ sentence naming it instead of hanging.
 """
 
 import os
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError
 from common.net import free_port
+
+if TYPE_CHECKING:  # torch is imported where it is used: tests start twenty probe workers that never need it
+    import torch
 
 # Seconds Ray may take to reserve a placement group, or to start a role's actors on it; a layout that asks for more
 # than the cluster has never gets there, so waiting longer only hides the mistake.
@@ -52,6 +55,8 @@ class RayWorker:
 
     def empty_cache(self) -> None:
         """Hand the blocks torch's CUDA allocator keeps cached back to the GPU, for a colocated vLLM engine to use."""
+        import torch
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -181,6 +186,8 @@ def shard(batch: dict, n: int, micro: int) -> list[dict]:
     Under ZeRO-3 every forward pass is collective, so every rank must run the same number of micro-batches: the
     batch is padded with copies of its last row, and callers keep the first len(batch) results.
     """
+    import torch
+
     rows = len(batch["input_ids"])
     size = -(-rows // (n * micro)) * micro
     pad = [rows - 1] * (size * n - rows)
@@ -188,8 +195,10 @@ def shard(batch: dict, n: int, micro: int) -> list[dict]:
     return [{k: v[index[i * size: (i + 1) * size]] for k, v in batch.items()} for i in range(n)]
 
 
-def gather(group: "WorkerGroup", refs: list, rows: int) -> torch.Tensor:
+def gather(group: "WorkerGroup", refs: list, rows: int) -> "torch.Tensor":
     """Concatenate the group's results in rank order and drop the padding rows shard() added."""
+    import torch
+
     return torch.cat(group.get(refs))[:rows]
 
 
