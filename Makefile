@@ -33,7 +33,7 @@ test-fast: setup
 demo: setup
 	$(PY) launch/demo.py --out out/demo
 
-# One step of each GPU path (bf16 SFT and DPO, PPO over NCCL, PPO --colocate_all on one GPU): the first thing to run
+# A few steps of each GPU path (bf16 SFT and DPO, PPO over NCCL, PPO --colocate_all on one GPU): the first thing to run
 # on a CUDA machine.
 gpu-smoke: setup
 	$(PY) launch/gpu_smoke.py --out out/gpu_smoke

@@ -1,4 +1,4 @@
-"""One step of every GPU path, for the first run on a CUDA machine: `make gpu-smoke`.
+"""A few steps of every GPU path, for the first run on a CUDA machine: `make gpu-smoke`.
 
 The CPU test suite proves the GPU paths by simulation (tests/test_placement.py, tests/test_gpu_paths.py); this is
 the check on the real thing, a few minutes on a tiny model and the synthetic task:
