@@ -50,7 +50,7 @@ from common import memory_plan, rewards
 from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_lengths, check_model_path, check_output_dir, parse_args,
                          run_main, stop_on_sigterm)
-from common.checkpoint import load_train_state, save_hf_model, save_train_state
+from common.checkpoint import check_settings, load_train_state, save_hf_model, save_train_state
 from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer)
@@ -616,6 +616,7 @@ def check_args(args: Args) -> None:
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
     check_model_path(args.pretrain)
     check_output_dir(args.output_dir)
+    check_resumable(args)
     sequence = ("--prompt_max_len + --generate_max_len", args.prompt_max_len + args.generate_max_len,
                 "--prompt_max_len or --generate_max_len")
     check_lengths(args.pretrain, *sequence)
@@ -790,13 +791,34 @@ def trained_roles(roles: dict) -> dict:
     return {"actor": roles["actor"], **({"critic": roles["critic"]} if "critic" in roles else {})}
 
 
-def save_checkpoint(roles: dict, ckpt_dir: str, step: int, kl_ctl) -> None:
+def resume_settings(args: Args) -> dict:
+    """What fixes the prompt order, the update's batches and the ZeRO partitioning: a resumed run must match it."""
+    names = ["seed", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "actor_num_workers"]
+    if args.advantage_estimator == "gae":  # the critic's ZeRO partitioning
+        names.append("critic_num_workers")
+    return {f"--{name}": getattr(args, name) for name in names}
+
+
+def checkpoint_dir(args: Args) -> str:
+    return args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+
+
+def check_resumable(args: Args) -> None:
+    """Refuse, before anything starts, to resume a checkpoint saved with other settings (checkpoint.check_settings)."""
+    state_file = os.path.join(checkpoint_dir(args), "driver_state.json")
+    if os.path.exists(state_file):
+        with open(state_file) as f:
+            check_settings(json.load(f).get("settings"), resume_settings(args), checkpoint_dir(args))
+
+
+def save_checkpoint(args: Args, roles: dict, step: int, kl_ctl) -> None:
     """Every trained role's state, then the driver's state file, written last: it is what commits the step."""
+    ckpt_dir = checkpoint_dir(args)
     for name, group in trained_roles(roles).items():
         group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
     state_file = os.path.join(ckpt_dir, "driver_state.json")
     with open(state_file + ".tmp", "w") as f:
-        json.dump({"step": step, "kl_ctl": kl_ctl.state_dict()}, f)
+        json.dump({"step": step, "kl_ctl": kl_ctl.state_dict(), "settings": resume_settings(args)}, f)
     os.replace(state_file + ".tmp", state_file)
 
 
@@ -857,7 +879,7 @@ def load_data(args: Args, tokenizer) -> tuple[list[dict], list[dict], list[dict]
 
 def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], eval_prompts: list[dict]) -> dict:
     """The PPO loop, from the latest checkpoint to --max_steps; returns the final evaluation's metrics."""
-    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+    ckpt_dir = checkpoint_dir(args)
     kl_ctl = (tricks.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon) if args.kl_target
               else tricks.FixedKLController(args.init_kl_coef))
     start_step = step = resume(roles, ckpt_dir, kl_ctl)
@@ -889,7 +911,7 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
             bar.set_postfix(score=f"{float(metrics['objective/scores']):.3f}",
                             kl=f"{float(metrics['objective/kl']):.4f}")
             if args.save_steps and (step + 1) % args.save_steps == 0:
-                save_checkpoint(roles, ckpt_dir, step + 1, kl_ctl)
+                save_checkpoint(args, roles, step + 1, kl_ctl)
         bar.close()
         final = evaluate(args, roles, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
     except (EngineDied, WorkerDied) as e:

@@ -173,7 +173,9 @@ def main(args: Args):
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
-    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank) or {"step": 0}
+    # what fixes the data order and the ZeRO partitioning: a resumed run must match them
+    settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed, "the number of ranks": world_size}
+    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
     start_step = state["step"]
     if start_step:
         print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
@@ -204,7 +206,7 @@ def main(args: Args):
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoint.save_train_state({"model": engine}, ckpt_dir, step + 1, {"step": step + 1}, rank,
-                                        args.keep_last_checkpoints)
+                                        args.keep_last_checkpoints, settings=settings)
     bar.close()
 
     summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}

@@ -8,6 +8,7 @@ last `keep_last` are kept.
 """
 
 import glob
+import json
 import os
 import random
 import shutil
@@ -104,8 +105,22 @@ def saved_note(ckpt_dir: str) -> str:
     return f"the checkpoint of step {step} in {ckpt_dir} is intact"
 
 
+SETTINGS = "settings.json"
+
+
+def check_settings(saved: dict | None, settings: dict, ckpt_dir: str) -> None:
+    """Refuse to resume a run whose settings that fix the data order or the ZeRO partitioning (batch size, seed,
+    data, number of ranks) differ from those it was saved with: it would silently train on other samples, or fail
+    deep inside DeepSpeed. `settings` maps a flag (or a phrase) to its value."""
+    changed = [k for k, v in settings.items() if saved and k in saved and saved[k] != v]
+    if changed:
+        k = changed[0]
+        raise UserError(f"{ckpt_dir} holds a run made with {k} {saved[k]}, not {settings[k]}; rerun with {k} "
+                        f"{saved[k]} to resume it, or give another --output_dir (or --ckpt_dir) to start anew.")
+
+
 def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict, rank: int,
-                     keep_last: int = 2) -> None:
+                     keep_last: int = 2, settings: dict | None = None) -> None:
     """Save every engine's DeepSpeed state + client_state + RNG as ckpt_dir/step_{step}, atomically. Collective.
 
     `engines` maps a name ("model", "critic", ...) to a DeepSpeed engine; each gets its own sub-folder. ckpt_dir
@@ -127,6 +142,9 @@ def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict
     dist.barrier()
     check_shared(partial, ckpt_dir)
     if rank == 0:
+        if settings is not None:  # what a resumed run must match (check_settings)
+            with open(os.path.join(ckpt_dir, SETTINGS), "w") as f:
+                json.dump(settings, f, indent=1)
         replace_dir(partial, os.path.join(ckpt_dir, tag))
         with open(os.path.join(ckpt_dir, LATEST + ".tmp"), "w") as f:
             f.write(tag)
@@ -150,9 +168,15 @@ def check_shared(partial: str, ckpt_dir: str) -> None:
                         f"mounts at the same path.")
 
 
-def load_train_state(engines: dict, ckpt_dir: str, rank: int, step: int | None = None) -> dict | None:
-    """Restore a checkpoint (the latest, or that of `step`) into the engines; return its client_state, or None."""
+def load_train_state(engines: dict, ckpt_dir: str, rank: int, step: int | None = None,
+                     settings: dict | None = None) -> dict | None:
+    """Restore a checkpoint (the latest, or that of `step`) into the engines; return its client_state, or None.
+    With `settings`, first refuse one saved with other settings (check_settings)."""
     latest = os.path.join(ckpt_dir, LATEST)
+    if settings is not None and os.path.exists(os.path.join(ckpt_dir, SETTINGS)) and (
+            step is not None or os.path.exists(latest)):
+        with open(os.path.join(ckpt_dir, SETTINGS)) as f:
+            check_settings(json.load(f), settings, ckpt_dir)
     if step is not None:
         tag = f"step_{step}"
     elif not os.path.exists(latest):

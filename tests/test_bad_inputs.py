@@ -129,6 +129,23 @@ def test_prompt_data_faults_name_the_file_and_the_fix(script, data, words, tiny_
     assert bad_files[data] in stderr
 
 
+def test_ppo_ray_refuses_to_resume_a_checkpoint_of_other_settings(tiny_model, task, tmp_path, capsys):
+    """Another --rollout_batch_size would walk the prompts in another order from the saved step: silently other
+    data. The check runs before Ray starts, and the checkpoint is left as it was."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    state = out / "checkpoints" / "driver_state.json"
+    saved = {"--seed": 42, "--rollout_batch_size": 512, "--n_samples_per_prompt": 1, "--train_batch_size": 128,
+             "--actor_num_workers": 1}
+    state.write_text(json.dumps({"step": 4, "kl_ctl": {}, "settings": saved}))
+    before = state.read_text()
+    argv = command("ppo_ray", tiny_model, task, str(out), "--rollout_batch_size", "256")
+    code, stderr = run_in_process("ppo_ray", argv, capsys)
+    assert code == 2 and stderr.count("error: ") == 1 and "Traceback" not in stderr, stderr
+    assert "holds a run made with --rollout_batch_size 512, not 256; rerun with --rollout_batch_size 512" in stderr
+    assert state.read_text() == before
+
+
 def test_rejection_sampling_defaults_its_context_to_the_models(short_model, task, tmp_path, capsys):
     """The engines' context defaults to what the model takes (it was 2048 whatever the model, and vLLM refused a
     32-position model with a 30-line traceback); a response as long as the context leaves no room for a prompt."""
@@ -193,6 +210,22 @@ def stop_after_checkpoint(script: str, argv: list[str], first_checkpoint: str, s
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, output
+
+
+@pytest.mark.slow
+def test_sft_refuses_to_resume_with_another_batch_size_and_keeps_its_checkpoint(tiny_model, task, tmp_path):
+    out = str(tmp_path / "sft")
+    argv = command("sft", tiny_model, task, out, "--train_batch_size", "8", "--micro_train_batch_size", "8",
+                   "--max_steps", "2", "--save_steps", "2")
+    run_script("sft.py", argv)
+    checkpoints = os.path.join(out, "checkpoints")
+    before = sorted((p, os.path.getmtime(os.path.join(checkpoints, p))) for p in os.listdir(checkpoints))
+    argv[argv.index("--max_steps") + 1] = "4"
+    result = run_script("sft.py", argv + ["--train_batch_size", "4", "--micro_train_batch_size", "4"], check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "holds a run made with --train_batch_size 8, not 4; rerun with --train_batch_size 8" in errors[0]
+    assert sorted((p, os.path.getmtime(os.path.join(checkpoints, p))) for p in os.listdir(checkpoints)) == before
 
 
 @pytest.mark.slow
