@@ -69,7 +69,8 @@ def test_sigkilled_run_resumes_to_the_same_result(tiny_model, task, tmp_path):
     final, expected = metrics(out)[-1], metrics(reference)[-1]
     assert final["step"] == expected["step"] == 12
     assert final["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-4)
-    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [".partial", "latest", "step_12", "step_8"]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [".partial", "latest", "settings.json", "step_12",
+                                                                    "step_8"]
 
 
 def bad_input_cases(tiny_model, task, tmp):
