@@ -224,7 +224,7 @@ def check_alive(done: list, what: str) -> None:
     for ref in done:
         try:
             ray.get(ref)
+        except ray.exceptions.RayTaskError:  # raised inside the call, also by another actor's death that the call
+            pass                             # met (RayTaskError(ActorDiedError)): the caller reports it
         except ray.exceptions.RayActorError as e:
             raise WorkerDied(f"{what} died ({type(e).__name__})") from None
-        except ray.exceptions.RayTaskError:  # raised by the call itself: the caller's ray.get reports it
-            pass
