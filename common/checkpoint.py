@@ -110,8 +110,8 @@ SETTINGS = "settings.json"
 
 def check_settings(saved: dict | None, settings: dict, ckpt_dir: str) -> None:
     """Refuse to resume a run whose settings that fix the data order or the ZeRO partitioning (batch size, seed,
-    data, number of ranks) differ from those it was saved with: it would silently train on other samples, or fail
-    deep inside DeepSpeed. `settings` maps a flag (or a phrase) to its value."""
+    number of ranks) differ from those it was saved with: it would silently train on other samples, or fail deep
+    inside DeepSpeed. `settings` maps a flag (or a phrase) to its value; a checkpoint saved without any resumes."""
     changed = [k for k, v in settings.items() if saved and k in saved and saved[k] != v]
     if changed:
         k = changed[0]
