@@ -102,6 +102,17 @@ def get_key(row: dict, key: str, index: int, source: str):
     return row[key]
 
 
+def get_response(row: dict, key: str, index: int, source: str, input_key: str) -> str:
+    """row[key] as a response text: a string, or a number written as one ("42"). Anything else (a null, a boolean,
+    a list of messages) is a DataError: str() would have trained on the text "None" or "['...']"."""
+    value = get_key(row, key, index, source)
+    if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return str(value)
+    where = f"; put the conversation before it under {input_key!r}" if isinstance(value, (list, dict)) else ""
+    raise DataError(f"{source}, sample {index}: {key!r} must be a response text, got {type(value).__name__} "
+                    f"{str(value)[:40]!r}{where}.")
+
+
 # --------------------------------------------------------------------------------------------------- rendering
 def as_messages(prompt) -> list[dict]:
     """A prompt given as text becomes one user message; a list of messages is taken as it is."""
@@ -174,8 +185,8 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
         elif isinstance(row.get(input_key), list) and output_key not in row:
             text, spans = render_chat(tokenizer, as_messages(row[input_key]))
         else:
-            prompt, response = get_key(row, input_key, i, source), get_key(row, output_key, i, source)
-            text, spans = render_pair(tokenizer, prompt, str(response), apply_chat_template, input_template)
+            prompt, response = get_key(row, input_key, i, source), get_response(row, output_key, i, source, input_key)
+            text, spans = render_pair(tokenizer, prompt, response, apply_chat_template, input_template)
         ids, mask = tokenize_with_spans(tokenizer, text, spans)
         mask[0] = 0  # the first token has nothing before it to be predicted from
         if len(ids) > max_len:
@@ -277,6 +288,8 @@ def _tokenize_response(tokenizer, prompt, response, max_len: int, apply_chat_tem
     ids, mask = ids[:max_len], mask[:max_len]
     if end_with_eos and ids[-1] != tokenizer.eos_token_id:  # a reward is read at an EOS, even after truncation
         ids, mask = ids[: max_len - 1] + [tokenizer.eos_token_id], mask[: max_len - 1] + [1]
+        if not any(mask[:-1]):  # none of the response is left, only the EOS after the prompt: nothing to score
+            mask = [0] * len(mask)
     return {"input_ids": ids, "loss_mask": mask}, truncated
 
 
@@ -313,11 +326,9 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
     samples, truncated, identical, dropped = [], 0, 0, 0
     for i, row in enumerate(rows):
         prompt = get_key(row, input_key, i, source)
-        chosen, rejected = get_key(row, chosen_key, i, source), get_key(row, rejected_key, i, source)
-        if isinstance(chosen, (list, dict)) or isinstance(rejected, (list, dict)):
-            raise DataError(f"{source}, sample {i}: {chosen_key!r} and {rejected_key!r} must be response texts; put "
-                            f"the conversation before them under {input_key!r}.")
-        if str(chosen) == str(rejected):
+        chosen = get_response(row, chosen_key, i, source, input_key)
+        rejected = get_response(row, rejected_key, i, source, input_key)
+        if chosen == rejected:
             identical += 1
             continue
         margin = row.get(margin_key, 0.0) if margin_key else 0.0
@@ -352,10 +363,7 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
         raise DataError(f"dataset {source} is empty.")
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
-        prompt, response = get_key(row, input_key, i, source), get_key(row, output_key, i, source)
-        if isinstance(response, (list, dict)):
-            raise DataError(f"{source}, sample {i}: {output_key!r} must be a response text; put the conversation "
-                            f"before it under {input_key!r}.")
+        prompt, response = get_key(row, input_key, i, source), get_response(row, output_key, i, source, input_key)
         label = get_key(row, label_key, i, source)
         if not isinstance(label, bool):
             raise DataError(f"{source}, sample {i}: {label_key!r} must be true or false (a JSON boolean), "

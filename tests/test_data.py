@@ -63,18 +63,41 @@ def test_truncation_and_dropping_are_counted_and_all_too_long_is_an_error(tokeni
         data.build_sft_samples(rows[1:], tokenizer, "t.jsonl", "prompt", "response", 16, log=logs.append)
 
 
-def test_preference_and_kto_responses_must_be_texts(tokenizer):
-    """A conversation where a response should be is refused by name, not rendered as the text of a Python list."""
+def test_responses_must_be_texts_in_every_builder(tokenizer):
+    """A conversation, a null or a boolean where a response should be is refused by name, not trained on as the
+    text "['...']", "None" or "True"; a number is a response written as one."""
     turns = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
-    pairs = [{"prompt": "What is 2+3?", "chosen": "5", "rejected": "6"}, {"prompt": "hi", "chosen": turns,
-                                                                          "rejected": "6"}]
+    pairs = [{"prompt": "What is 2+3?", "chosen": 5, "rejected": "6"}, {"prompt": "hi", "chosen": turns,
+                                                                        "rejected": "6"}]
     assert len(data.build_preference_samples(pairs[:1], tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64,
                                              log=lambda m: None)) == 1
-    with pytest.raises(data.DataError, match="p.jsonl, sample 1: 'chosen' and 'rejected' must be response texts"):
+    with pytest.raises(data.DataError, match="p.jsonl, sample 1: 'chosen' must be a response text, got list .*; "
+                                             "put the conversation before it under 'prompt'"):
         data.build_preference_samples(pairs, tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64)
     rows = [{"prompt": "What is 2+3?", "completion": turns, "label": True}]
     with pytest.raises(data.DataError, match="k.jsonl, sample 0: 'completion' must be a response text"):
         data.build_kto_samples(rows, tokenizer, "k.jsonl", "prompt", "completion", "label", 64)
+    for value, kind in ((None, "NoneType"), (True, "bool"), (turns, "list")):
+        rows = [{"prompt": "What is 2+3?", "response": "5"}, {"prompt": "What is 2+3?", "response": value}]
+        with pytest.raises(data.DataError, match=f"s.jsonl, sample 1: 'response' must be a response text, got {kind}"):
+            data.build_sft_samples(rows, tokenizer, "s.jsonl", "prompt", "response", 64)
+
+
+def test_reward_pairs_cut_before_their_responses_are_dropped_not_scored_at_the_prompt(tokenizer):
+    """rm.py reads a reward at the EOS it appends after truncation; a pair with no response token left would put
+    that EOS right after the prompt on both sides, and train on two identical inputs with opposite labels."""
+    short = {"prompt": "What is 2+3?", "chosen": "5", "rejected": "6"}
+    long = {**short, "prompt": "What is 2+3? " * 20}
+    logs = []
+    pairs = data.build_preference_samples([short, long], tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 24,
+                                          end_with_eos=True, log=logs.append)
+    assert len(pairs) == 1 and "1 pairs dropped because no response token was left" in logs[0], logs
+    for side in ("chosen", "rejected"):  # the kept pair: its response, then the EOS the reward is read at
+        ids, mask = pairs[0][side]["input_ids"], pairs[0][side]["loss_mask"]
+        assert ids[-1] == tokenizer.eos_token_id and sum(mask) >= 2
+    with pytest.raises(data.DataError, match="has no usable pair"):
+        data.build_preference_samples([long], tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 24,
+                                      end_with_eos=True)
 
 
 def test_packed_loss_and_gradients_equal_padded(tiny_model, tokenizer):
