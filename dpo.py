@@ -190,25 +190,20 @@ def main(args: Args):
                         f"{args.label_smoothing}.")
     if args.ipo and args.label_smoothing:
         raise UserError("--label_smoothing is conservative DPO's; leave it at 0 with --ipo.")
-    rank, world_size, local_rank = init_distributed()
-    torch.manual_seed(args.seed)
+    # The data is checked before the distributed world and DeepSpeed start; only rank 0 reports on it.
+    launcher_rank = int(os.environ.get("RANK", "0"))
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
     if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
         raise UserError(f"--ref_pretrain {ref_pretrain} has a different tokenizer from --pretrain {args.pretrain}; "
                         f"the reference model must share the policy's vocabulary (leave --ref_pretrain unset to "
                         f"use the starting policy).")
-    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
-                       args.grad_clip, args.offload_optimizer, args.offload_params)
-    # The frozen reference has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
-    ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
-                           world_size, offload_params=args.ref_offload, train=False)
 
     def load_samples(source, split):
         rows = data.load_records(source, split)
         return data.build_preference_samples(rows, tokenizer, source, args.input_key, args.chosen_key,
                                              args.rejected_key, args.max_len, args.apply_chat_template,
-                                             args.input_template, log=lambda msg: print_rank0(rank, msg))
+                                             args.input_template, log=lambda msg: print_rank0(launcher_rank, msg))
 
     train_samples = load_samples(args.dataset, args.dataset_split)
     eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
@@ -217,6 +212,14 @@ def main(args: Args):
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
+    # The frozen reference has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
+    ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
+                           world_size, offload_params=args.ref_offload, train=False)
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,

@@ -204,25 +204,20 @@ def main(args: Args):
     if args.micro_train_batch_size < 2:
         raise UserError("KTO pairs each prompt with another sample's response to estimate its KL reference point; "
                         "set --micro_train_batch_size to 2 or more.")
-    rank, world_size, local_rank = init_distributed()
-    torch.manual_seed(args.seed)
+    # The data is checked before the distributed world and DeepSpeed start; only rank 0 reports on it.
+    launcher_rank = int(os.environ.get("RANK", "0"))
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
     if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
         raise UserError(f"--ref_pretrain {ref_pretrain} has a different tokenizer from --pretrain {args.pretrain}; "
                         f"the reference model must share the policy's vocabulary (leave --ref_pretrain unset to "
                         f"use the starting policy).")
-    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
-                       args.grad_clip, args.offload_optimizer, args.offload_params)
-    # The frozen reference has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
-    ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
-                           world_size, offload_params=args.ref_offload, train=False)
 
     def load_samples(source, split):
         rows = data.load_records(source, split)
         return data.build_kto_samples(rows, tokenizer, source, args.input_key, args.output_key, args.label_key,
                                       args.max_len, args.apply_chat_template, args.input_template,
-                                      log=lambda msg: print_rank0(rank, msg))
+                                      log=lambda msg: print_rank0(launcher_rank, msg))
 
     train_samples = load_samples(args.dataset, args.dataset_split)
     eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
@@ -231,6 +226,14 @@ def main(args: Args):
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
+    # The frozen reference has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
+    ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
+                           world_size, offload_params=args.ref_offload, train=False)
     desirable = sum(s["label"] for s in train_samples)
     undesirable = len(train_samples) - desirable
     print_rank0(rank, f"{desirable} desirable and {undesirable} undesirable responses: lambda_D n_D / (lambda_U n_U) = "

@@ -180,8 +180,8 @@ def main(args: Args):
     check_model_path(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
-    rank, world_size, local_rank = init_distributed()
-    torch.manual_seed(args.seed)
+    # The data is checked before the distributed world and DeepSpeed start; only rank 0 reports on it.
+    launcher_rank = int(os.environ.get("RANK", "0"))
     tokenizer = load_tokenizer(args.pretrain)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding
         spare = [t for t in (tokenizer.unk_token, tokenizer.bos_token) if t and t != tokenizer.eos_token]
@@ -189,10 +189,8 @@ def main(args: Args):
             raise UserError(f"the tokenizer of {args.pretrain} pads with its EOS token and has no other special token "
                             f"to pad with; add a pad token to it.")
         tokenizer.pad_token = spare[0]
-    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
-                       args.grad_clip, args.offload_optimizer, args.offload_params)
 
-    log = lambda msg: print_rank0(rank, msg)
+    log = lambda msg: print_rank0(launcher_rank, msg)
     train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log)
     eval_samples = load_pairs(args, tokenizer, args.eval_dataset, "test", log) if args.eval_dataset else []
     steps_per_epoch = len(train_samples) // args.train_batch_size
@@ -200,6 +198,11 @@ def main(args: Args):
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
 
     model = load_model(args.pretrain, config, AutoModelForSequenceClassification, args.gradient_checkpointing,
                        num_labels=1, pad_token_id=tokenizer.pad_token_id)

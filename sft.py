@@ -149,17 +149,15 @@ def main(args: Args):
     check_model_path(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
-    rank, world_size, local_rank = init_distributed()
-    torch.manual_seed(args.seed)
+    # The data is checked before the distributed world and DeepSpeed start; only rank 0 reports on it.
+    launcher_rank = int(os.environ.get("RANK", "0"))
     tokenizer = load_tokenizer(args.pretrain)
-    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
-                       args.grad_clip, args.offload_optimizer, args.offload_params)
 
     def load_samples(source, split):
         rows = data.load_records(source, split)
         return data.build_sft_samples(rows, tokenizer, source, args.input_key, args.output_key, args.max_len,
                                       args.apply_chat_template, args.input_template, args.pretrain_mode,
-                                      log=lambda msg: print_rank0(rank, msg))
+                                      log=lambda msg: print_rank0(launcher_rank, msg))
 
     train_samples = load_samples(args.dataset, args.dataset_split)
     eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
@@ -168,6 +166,11 @@ def main(args: Args):
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
+    config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       args.grad_clip, args.offload_optimizer, args.offload_params)
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,

@@ -129,6 +129,49 @@ def test_prompt_data_faults_name_the_file_and_the_fix(script, data, words, tiny_
     assert bad_files[data] in stderr
 
 
+GOOD_ROW = {"sft": {"prompt": "What is 1+1?", "response": "2"},
+            "rm": {"prompt": "What is 1+1?", "chosen": "2", "rejected": "3"},
+            "dpo": {"prompt": "What is 1+1?", "chosen": "2", "rejected": "3"},
+            "kto": {"prompt": "What is 1+1?", "response": "2", "label": True}}
+RESPONSE_KEY = {"sft": "response", "rm": "chosen", "dpo": "chosen", "kto": "response"}
+
+
+@pytest.mark.parametrize("script", TRAINERS)
+@pytest.mark.parametrize("fault", ["empty", "malformed line", "missing key", "null response", "not a boolean label",
+                                   "fewer samples than one batch", "every sample too long"])
+def test_training_data_faults_name_the_file_and_the_fix(script, fault, tiny_model, task, tmp_path, capsys):
+    """Checked before the distributed world or DeepSpeed starts: a bad dataset costs the user seconds."""
+    if fault == "not a boolean label" and script != "kto":
+        pytest.skip("only KTO's data has labels")
+    good, key = GOOD_ROW[script], RESPONSE_KEY[script]
+    rows, extra, words = [good] * 16, [], None
+    if fault == "empty":
+        rows, words = [], "is empty"
+    elif fault == "missing key":
+        rows = [{("answer" if k == key else k): v for k, v in good.items()}] * 16
+        words = f"sample 0: no key '{key}'; the keys present are"
+    elif fault == "null response":
+        rows, words = [good, {**good, key: None}] * 8, f"sample 1: '{key}' must be a response text, got NoneType"
+    elif fault == "not a boolean label":
+        rows, words = [{**good, "label": "yes"}] * 16, "sample 0: 'label' must be true or false"
+    elif fault == "fewer samples than one batch":
+        rows, extra = [good] * 3, ["--train_batch_size", "8", "--micro_train_batch_size", "2"]
+        words = "fewer than one batch; lower --train_batch_size below 8"
+    elif fault == "every sample too long":
+        rows, words = [{**good, "prompt": "What is 1+1? " * 40}] * 16, "--max_len 64"
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if fault == "malformed line":
+        dataset.write_text(json.dumps(good) + '\n{"prompt": "What is 2+2?"\n')
+        words = "line 2: not valid JSON"
+    out = str(tmp_path / "out")
+    argv = command(script, tiny_model, task, out, *extra)
+    argv[argv.index("--dataset") + 1] = str(dataset)
+    code, stderr = run_in_process(script, argv, capsys)
+    check_refused(code, stderr, words, out)
+    assert str(dataset) in stderr
+
+
 def test_ppo_ray_refuses_to_resume_a_checkpoint_of_other_settings(tiny_model, task, tmp_path, capsys):
     """Another --rollout_batch_size would walk the prompts in another order from the saved step: silently other
     data. The check runs before Ray starts, and the checkpoint is left as it was."""
