@@ -869,6 +869,9 @@ def connect(args: Args, roles: dict, ptx_samples: list[dict] | None) -> None:
 def load_data(args: Args, tokenizer) -> tuple[list[dict], list[dict], list[dict] | None]:
     """(training prompts, held-out prompts, pretraining rows for --ptx_data), tokenized."""
     prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split)
+    if len(prompts) < args.rollout_batch_size:  # a step would ask some prompts twice
+        raise DataError(f"{args.prompt_data} has {len(prompts)} usable prompts, fewer than one rollout batch; lower "
+                        f"--rollout_batch_size to {len(prompts)} or less, or give more prompts.")
     eval_prompts = load_prompts(args, tokenizer, args.eval_prompt_data, "test") if args.eval_prompt_data else []
     ptx_samples = None
     if args.ptx_data:

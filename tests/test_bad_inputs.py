@@ -76,8 +76,10 @@ def bad_files(tmp_path_factory) -> dict:
     (folder / "empty.jsonl").write_text("")
     (folder / "malformed.jsonl").write_text('{"prompt": "What is 1+1?"}\n{"prompt": "What is 2+2?"\n')
     (folder / "other_keys.jsonl").write_text('{"question": "What is 1+1?", "answer": "2"}\n')
+    (folder / "three.jsonl").write_text("".join(f'{{"prompt": "What is {i}+1?", "label": "{i + 1}"}}\n'
+                                                for i in range(3)))
     return {name: str(folder / name) for name in ("a_file", "no_config", "empty.jsonl", "malformed.jsonl",
-                                                  "other_keys.jsonl")}
+                                                  "other_keys.jsonl", "three.jsonl")}
 
 
 # ------------------------------------------------------------------------------------------ fast: flags, files
@@ -117,9 +119,12 @@ def test_reward_flags_that_cannot_work_are_refused(script, extra, words, tiny_mo
     ("empty.jsonl", "is empty"),
     ("malformed.jsonl", "line 2"),
     ("other_keys.jsonl", "'prompt'"),
+    ("three.jsonl", "has 3 usable prompts, fewer than one rollout batch; lower --rollout_batch_size to 3 or less"),
 ])
 def test_prompt_data_faults_name_the_file_and_the_fix(script, data, words, tiny_model, task, bad_files, tmp_path,
                                                       capsys):
+    if data == "three.jsonl" and script == "rejection_sampling":
+        pytest.skip("rejection sampling takes the prompts it has, in chunks of any size")
     out = str(tmp_path / "out")
     flag = "--prompt_data" if script == "ppo_ray" else "--dataset"
     argv = command(script, tiny_model, task, out)
