@@ -50,7 +50,8 @@ from common import memory_plan, rewards
 from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_lengths, check_model_path, check_output_dir, parse_args,
                          run_main, stop_on_sigterm)
-from common.checkpoint import check_settings, load_train_state, save_hf_model, save_train_state
+from common.checkpoint import (check_settings, describe, load_train_state, save_hf_model, save_train_state,
+                               write_atomically)
 from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer)
@@ -816,10 +817,11 @@ def save_checkpoint(args: Args, roles: dict, step: int, kl_ctl) -> None:
     ckpt_dir = checkpoint_dir(args)
     for name, group in trained_roles(roles).items():
         group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
-    state_file = os.path.join(ckpt_dir, "driver_state.json")
-    with open(state_file + ".tmp", "w") as f:
-        json.dump({"step": step, "kl_ctl": kl_ctl.state_dict(), "settings": resume_settings(args)}, f)
-    os.replace(state_file + ".tmp", state_file)
+    state = {"step": step, "kl_ctl": kl_ctl.state_dict(), "settings": resume_settings(args)}
+    try:
+        write_atomically(os.path.join(ckpt_dir, "driver_state.json"), json.dumps(state))
+    except OSError as e:
+        raise stopped(f"could not write the checkpoint ({describe(e, ckpt_dir)})", step - 1, ckpt_dir) from None
 
 
 def resume(roles: dict, ckpt_dir: str, kl_ctl) -> int:
@@ -951,7 +953,7 @@ def main(args: Args):
     roles = place_roles(args, total_actor_steps=args.max_steps * args.max_epochs * rollout // args.train_batch_size)
     connect(args, roles, ptx_samples)
     final = train(args, roles, tokenizer, reward_fn, prompts, eval_prompts)
-    ray.get(roles["actor"].call("save_model", args.output_dir))
+    roles["actor"].get(roles["actor"].call("save_model", args.output_dir))
     print(f"saved the actor to {args.output_dir} after {args.max_steps} PPO steps"
           + "".join(f", {k} {float(v):.4f}" for k, v in final.items()))
     ray.shutdown()

@@ -7,6 +7,7 @@ scheduler) plus the caller's `client_state` (data position, KL controller, ...) 
 last `keep_last` are kept.
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -62,17 +63,25 @@ def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict 
 
     model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     state = gathered_state_dict(model, rank)
+    failure = None
     if rank == 0:
         tmp = os.path.join(out_dir, ".model.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        for key, value in (extra_config or {}).items():
-            setattr(model.config, key, value)
-        model.config.use_cache = True  # restored for inference (training turns it off)
-        model.save_pretrained(tmp, state_dict=state)
-        tokenizer.save_pretrained(tmp)
-        publish_model_files(tmp, out_dir)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for key, value in (extra_config or {}).items():
+                setattr(model.config, key, value)
+            model.config.use_cache = True  # restored for inference (training turns it off)
+            model.save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+            publish_model_files(tmp, out_dir)
+        except Exception as e:  # a full disk, a quota: said by every rank, none left waiting at a barrier
+            failure = describe(e, tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
-        dist.barrier()
+        failure = agree(failure)
+    if failure:
+        raise SaveFailed(f"could not write the model into {out_dir} ({failure}); make room there and rerun the same "
+                         f"command (it resumes from the last checkpoint, if one was saved).")
 
 
 def _rng_state() -> dict:
@@ -88,6 +97,70 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+class SaveFailed(UserError):
+    """A checkpoint or model could not be written: a full disk, a quota, a folder that refuses writes."""
+
+
+def describe(error: Exception, folder: str | None = None) -> str:
+    """An exception as a short clause: its type, the first line of its message and, with `folder`, the space left
+    on the disk that holds it (torch.save reports a full disk as "unexpected pos 3480384 vs 3480272")."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return f"{text}; {shutil.disk_usage(folder).free / 2**20:,.0f} MiB free on its disk" if folder else text
+
+
+def agree(failure: str | None) -> str | None:
+    """The first rank's failure, if any rank failed, on every rank (collective): all raise the same error, so none
+    waits for the others in a collective until the process group's timeout."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failure)
+    failed = [(r, why) for r, why in enumerate(everyone) if why]
+    if not failed:
+        return None
+    r, why = failed[0]
+    return why if len(everyone) == 1 else f"rank {r}: {why}"
+
+
+@contextlib.contextmanager
+def write_failures_recorded(engines: dict):
+    """Within, a DeepSpeed checkpoint write that fails is recorded in the yielded list instead of raising.
+
+    DeepSpeed's save_checkpoint is collective and ends in a barrier: a rank whose write raised would leave the
+    others there until the process group times out (30 minutes). Recorded, every rank goes through to the end and
+    the ranks then agree on the outcome. After a failure the rank skips its remaining writes: the checkpoint is
+    lost already. The writes are the checkpoint engine's save and makedirs, and the copy of DeepSpeed's recovery
+    scripts, which it makes beside the checkpoint.
+    """
+    failures = []
+
+    def recorded(write):
+        def call(*args, **kwargs):
+            if failures:
+                return None
+            try:
+                return write(*args, **kwargs)
+            except Exception as e:
+                failures.append(e)
+        return call
+
+    patched = []  # (object, attribute, its own value before, or None where it had none: the class's method)
+    for engine in engines.values():
+        for owner, name in ((engine.checkpoint_engine, "save"), (engine.checkpoint_engine, "makedirs"),
+                            (engine, "_copy_recovery_script")):
+            patched.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, recorded(getattr(owner, name)))
+    try:
+        yield failures
+    finally:
+        for owner, name, before in reversed(patched):
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
 
 
 def checkpoint_steps(ckpt_dir: str) -> list[int]:
@@ -134,24 +207,47 @@ def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict
     if rank == 0:  # leftovers of a run killed while saving
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    for name, engine in engines.items():
-        engine.save_checkpoint(os.path.join(partial, name), tag="state", client_state=client_state,
-                               save_latest=False)
-    os.makedirs(partial, exist_ok=True)
-    torch.save(_rng_state(), os.path.join(partial, f"rng_rank{rank}.pt"))
-    dist.barrier()
-    check_shared(partial, ckpt_dir)
-    if rank == 0:
-        if settings is not None:  # what a resumed run must match (check_settings)
-            with open(os.path.join(ckpt_dir, SETTINGS), "w") as f:
-                json.dump(settings, f, indent=1)
-        replace_dir(partial, os.path.join(ckpt_dir, tag))
-        with open(os.path.join(ckpt_dir, LATEST + ".tmp"), "w") as f:
-            f.write(tag)
-        os.replace(os.path.join(ckpt_dir, LATEST + ".tmp"), os.path.join(ckpt_dir, LATEST))
-        for old in checkpoint_steps(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(os.path.join(ckpt_dir, f"step_{old}"), ignore_errors=True)
-    dist.barrier()
+    with write_failures_recorded(engines) as failures:
+        for name, engine in engines.items():
+            engine.save_checkpoint(os.path.join(partial, name), tag="state", client_state=client_state,
+                                   save_latest=False)
+    try:
+        if not failures:
+            os.makedirs(partial, exist_ok=True)
+            torch.save(_rng_state(), os.path.join(partial, f"rng_rank{rank}.pt"))
+    except Exception as e:
+        failures.append(e)
+    failure = agree(describe(failures[0], partial) if failures else None)  # also the barrier: all have written
+    if not failure:
+        check_shared(partial, ckpt_dir)
+        if rank == 0:
+            try:
+                commit(partial, ckpt_dir, tag, keep_last, settings)
+            except Exception as e:
+                failure = describe(e, ckpt_dir)
+        failure = agree(failure)
+    if failure:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # the space it took is the user's again
+        raise SaveFailed(f"could not write the checkpoint of step {step} into {ckpt_dir} ({failure}); "
+                         f"{saved_note(ckpt_dir)}. Make room there and rerun the same command to resume.")
+
+
+def commit(partial: str, ckpt_dir: str, tag: str, keep_last: int, settings: dict | None) -> None:
+    """Make the complete checkpoint in `partial` the latest (global rank 0 alone); then drop the oldest."""
+    if settings is not None:  # what a resumed run must match (check_settings)
+        write_atomically(os.path.join(ckpt_dir, SETTINGS), json.dumps(settings, indent=1))
+    replace_dir(partial, os.path.join(ckpt_dir, tag))
+    write_atomically(os.path.join(ckpt_dir, LATEST), tag)
+    for old in checkpoint_steps(ckpt_dir)[:-keep_last]:
+        shutil.rmtree(os.path.join(ckpt_dir, f"step_{old}"), ignore_errors=True)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write a small file so that a reader sees the old text or the new, never part of one (a full disk included)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def check_shared(partial: str, ckpt_dir: str) -> None:

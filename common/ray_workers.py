@@ -130,13 +130,16 @@ def wait(refs, timeout: float, failure: str, advice: str = PLACE_ADVICE):
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, UserError):  # a worker's sentence for the user, without the remote traceback
-            raise e.cause from None
-        raise
+        raise unwrapped(e) from None
     except ray.exceptions.GetTimeoutError:
         free = ray.available_resources()
         raise UserError(f"{failure} within {timeout:g} s ({free.get('GPU', 0):g} GPUs and {free.get('CPU', 0):g} "
                         f"CPUs free in the Ray cluster); {advice}.") from None
+
+
+def unwrapped(error: "ray.exceptions.RayTaskError") -> Exception:
+    """A worker's UserError (its sentence for the user) without Ray's remote traceback; any other error as it is."""
+    return error.cause if isinstance(error.cause, UserError) else error
 
 
 class WorkerGroup:
@@ -216,7 +219,10 @@ def get_alive(refs: list, what: str) -> list:
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=2)
         check_alive(done, what)
-    return ray.get(refs)
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as e:  # e.g. checkpoint.SaveFailed: the disk is full
+        raise unwrapped(e) from None
 
 
 def check_alive(done: list, what: str) -> None:

@@ -9,7 +9,10 @@ Ctrl-C or SIGTERM mid-run. docs/reliability.md lists each fault, what the user s
 import importlib
 import json
 import os
+import resource
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -260,20 +263,44 @@ def stop_after_checkpoint(script: str, argv: list[str], first_checkpoint: str, s
     return proc.returncode, output
 
 
+def snapshot(folder: str) -> list[tuple[str, float]]:
+    return sorted((os.path.relpath(os.path.join(d, f), folder), os.path.getmtime(os.path.join(d, f)))
+                  for d, _, files in os.walk(folder) for f in files)
+
+
 @pytest.mark.slow
-def test_sft_refuses_to_resume_with_another_batch_size_and_keeps_its_checkpoint(tiny_model, task, tmp_path):
+def test_a_refused_resume_and_a_disk_that_fills_while_saving_leave_the_last_checkpoint_whole(tiny_model, task,
+                                                                                           tmp_path):
+    """Resuming with another batch size is refused before anything is written. A disk that fills while step 4 is
+    saved (simulated by a file-size limit the checkpoint's largest file exceeds: the kernel then fails the write
+    as it does on a full disk) stops the run with one sentence; step 2 stays the latest, and the rerun resumes it."""
     out = str(tmp_path / "sft")
     argv = command("sft", tiny_model, task, out, "--train_batch_size", "8", "--micro_train_batch_size", "8",
                    "--max_steps", "2", "--save_steps", "2")
     run_script("sft.py", argv)
     checkpoints = os.path.join(out, "checkpoints")
-    before = sorted((p, os.path.getmtime(os.path.join(checkpoints, p))) for p in os.listdir(checkpoints))
+    before = snapshot(checkpoints)
     argv[argv.index("--max_steps") + 1] = "4"
     result = run_script("sft.py", argv + ["--train_batch_size", "4", "--micro_train_batch_size", "4"], check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "holds a run made with --train_batch_size 8, not 4; rerun with --train_batch_size 8" in errors[0]
-    assert sorted((p, os.path.getmtime(os.path.join(checkpoints, p))) for p in os.listdir(checkpoints)) == before
+    assert snapshot(checkpoints) == before
+
+    largest = max(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(checkpoints) for f in files)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (largest // 2, largest // 2))  # noqa: E731
+    full = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, preexec_fn=limit)
+    errors = [line for line in full.stderr.splitlines() if line.startswith("error: ")]
+    assert full.returncode == 2 and len(errors) == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert errors[0].startswith(f"error: could not write the checkpoint of step 4 into {checkpoints} ("), errors[0]
+    assert errors[0].endswith(f"the checkpoint of step 2 in {checkpoints} is intact. Make room there and rerun the "
+                              f"same command to resume."), errors[0]
+    assert snapshot(checkpoints) == before  # every file of step 2 as it was, nothing of step 4 left behind
+    assert not os.listdir(os.path.join(checkpoints, ".partial"))  # the failed step's files are gone
+
+    assert f"resumed from {checkpoints} at step 2" in run_script("sft.py", argv).stdout
+    assert open(os.path.join(checkpoints, "latest")).read() == "step_4"
 
 
 @pytest.mark.slow

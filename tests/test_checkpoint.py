@@ -16,21 +16,46 @@ import torch.multiprocessing as mp
 from common.net import free_port
 
 
-class StubEngine:
-    """The one DeepSpeed engine method save_train_state calls, writing this rank's shard like ZeRO does."""
+class StubCheckpointEngine:
+    """DeepSpeed's checkpoint engine: the object its save_checkpoint writes every file through."""
 
-    def __init__(self, rank: int):
+    def __init__(self, full: bool):
+        self.full = full
+
+    def makedirs(self, path, exist_ok=False):
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict, path):
+        if self.full:  # what a full disk raises from torch.save
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+        torch.save(state_dict, path)
+
+
+class StubEngine:
+    """The DeepSpeed engine as save_train_state uses it: save_checkpoint writes this rank's shard like ZeRO does,
+    through its checkpoint engine, and ends in a barrier; rank 0 also copies the recovery scripts."""
+
+    def __init__(self, rank: int, full: bool = False):
         self.rank = rank
+        self.checkpoint_engine = StubCheckpointEngine(full)
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         folder = os.path.join(save_dir, tag)
-        os.makedirs(folder, exist_ok=True)
+        self.checkpoint_engine.makedirs(folder, exist_ok=True)
         time.sleep(0.05 * self.rank)  # the ranks finish at different times, as they do for real
-        torch.save(client_state, os.path.join(folder, f"zero_rank{self.rank}.pt"))
+        self.checkpoint_engine.save(client_state, os.path.join(folder, f"zero_rank{self.rank}.pt"))
+        if self.rank == 0:
+            self._copy_recovery_script(save_dir)
+        dist.barrier()
+
+    def _copy_recovery_script(self, folder):
+        open(os.path.join(folder, "zero_to_fp32.py"), "w").close()
 
 
-def save_steps(rank: int, world: int, port: int, dirs: list[str], steps: list[int], result_dir: str) -> None:
-    """One process: join a gloo world as local rank 0 of its own "node", save `steps`, write what happened."""
+def save_steps(rank: int, world: int, port: int, dirs: list[str], steps: list[int], result_dir: str,
+               full: tuple[int, int] | None = None) -> None:
+    """One process: join a gloo world as local rank 0 of its own "node", save `steps`, write what happened.
+    `full` = (rank, step): that rank's disk is full from that step on."""
     from common.checkpoint import save_train_state
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -39,7 +64,8 @@ def save_steps(rank: int, world: int, port: int, dirs: list[str], steps: list[in
     outcome = "ok"
     try:
         for step in steps:
-            save_train_state({"model": StubEngine(rank)}, dirs[rank], step, {"step": step}, rank, keep_last=2)
+            engine = StubEngine(rank, full=full is not None and (rank, step) >= full and rank == full[0])
+            save_train_state({"model": engine}, dirs[rank], step, {"step": step}, rank, keep_last=2)
     except Exception as e:  # reported to the test, which runs in another process
         outcome = f"{type(e).__name__}: {e}"
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
@@ -47,8 +73,9 @@ def save_steps(rank: int, world: int, port: int, dirs: list[str], steps: list[in
     dist.destroy_process_group()
 
 
-def run_two_nodes(dirs: list[str], steps: list[int], result_dir: str) -> list[str]:
-    mp.start_processes(save_steps, args=(2, free_port("127.0.0.1"), dirs, steps, result_dir), nprocs=2,
+def run_two_nodes(dirs: list[str], steps: list[int], result_dir: str, full: tuple[int, int] | None = None
+                  ) -> list[str]:
+    mp.start_processes(save_steps, args=(2, free_port("127.0.0.1"), dirs, steps, result_dir, full), nprocs=2,
                        start_method="spawn")
     return [open(os.path.join(result_dir, f"rank{r}.txt")).read() for r in range(2)]
 
@@ -76,3 +103,21 @@ def test_node_local_checkpoint_folders_are_refused_in_one_sentence(tmp_path):
     assert outcomes[0] == outcomes[1].replace(dirs[1], dirs[0]), outcomes  # every rank stops, none hangs
     assert outcomes[0].startswith("UserError: ") and "filesystem every node mounts" in outcomes[0], outcomes
     assert not os.path.exists(os.path.join(dirs[0], "step_1"))  # nothing half-shared was committed
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_on_one_rank_stops_every_rank_with_one_sentence_and_keeps_the_last_checkpoint(tmp_path):
+    """Rank 1's disk fills while it writes step 2: DeepSpeed's closing barrier would keep rank 0 waiting until the
+    process group's timeout if rank 1 raised from inside save_checkpoint. Both ranks stop at once instead, with the
+    same sentence, and step 1 stays the latest, whole."""
+    ckpt = str(tmp_path / "ckpt")
+    started = time.time()
+    outcomes = run_two_nodes([ckpt, ckpt], [1, 2], str(tmp_path), full=(1, 2))
+    assert time.time() - started < 120
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"SaveFailed: could not write the checkpoint of step 2 into {ckpt} (rank 1: "
+                                  "RuntimeError: "), outcomes
+    assert f"the checkpoint of step 1 in {ckpt} is intact. Make room there and rerun" in outcomes[0], outcomes
+    assert open(os.path.join(ckpt, "latest")).read() == "step_1"
+    assert sorted(os.listdir(ckpt)) == [".partial", "latest", "step_1"]
+    assert os.listdir(os.path.join(ckpt, ".partial")) == []  # the failed step's files are gone, their space freed
