@@ -65,6 +65,7 @@ import torch
 from common import data, rewards
 from common.args import (UserError, check_lengths, check_model_path, check_output_dir, model_max_len,
                          parse_args, run_main, stop_on_sigterm)
+from common.checkpoint import SaveFailed, describe, write_atomically
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import MetricsLogger, progress
 from common.vllm_engine import create_vllm_engines
@@ -328,10 +329,13 @@ def train_command(args: Args, policy: str, dataset: str, out: str) -> list[str]:
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Write a file under a temporary name, then rename it: a run killed meanwhile leaves the old file or none."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    """Write a file under a temporary name, then rename it: a run killed meanwhile leaves the old file or none; a
+    full disk, one sentence."""
+    try:
+        write_atomically(path, text)
+    except OSError as e:
+        raise SaveFailed(f"could not write {path} ({describe(e, os.path.dirname(path))}); make room there and rerun "
+                         f"the same command to resume.") from None
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:

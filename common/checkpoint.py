@@ -244,10 +244,15 @@ def commit(partial: str, ckpt_dir: str, tag: str, keep_last: int, settings: dict
 
 
 def write_atomically(path: str, text: str) -> None:
-    """Write a small file so that a reader sees the old text or the new, never part of one (a full disk included)."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    """Write a file so that a reader sees the old text or the new, never part of one (a full disk included)."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")  # its space is the user's again
+        raise
 
 
 def check_shared(partial: str, ckpt_dir: str) -> None:

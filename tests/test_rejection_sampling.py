@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 
@@ -215,7 +216,7 @@ def test_conditional_sft_answers_better_when_asked_for_a_high_reward(best_of_n_r
 
 
 @pytest.mark.slow
-def test_iterative_dpo_with_a_reward_model_resumes_in_the_iteration_it_was_killed_in(best_of_n_run, sft_model,
+def test_iterative_dpo_with_a_reward_model_resumes_in_the_iteration_it_was_stopped_in(best_of_n_run, sft_model,
                                                                                       task, tmp_path):
     rm = write_reward_model(sft_model, str(tmp_path / "rm"), reward_mean=0.1, reward_std=0.5)  # untrained
     out = str(tmp_path / "dpo")
@@ -233,8 +234,17 @@ def test_iterative_dpo_with_a_reward_model_resumes_in_the_iteration_it_was_kille
     deadline = time.time() + 400
     while not os.path.exists(generated) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read()[-3000:]
-    kill_group(proc)
+    assert proc.poll() is None, "the run ended before it could be stopped:\n" + proc.stdout.read()[-3000:]
+    os.kill(proc.pid, signal.SIGTERM)  # a scheduler's stop, to the script this test started
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert errors == [f"error: interrupted; 1 finished iteration(s) in {out} are kept. Rerun the same command to "
+                      f"resume."], output[-3000:]
     state = json.load(open(os.path.join(out, "state.json")))
     assert state["finished_iterations"] == 1 and os.path.exists(os.path.join(out, "iter_0", "model", "config.json"))
 
