@@ -24,11 +24,15 @@ Implementation details, where they happen below:
   - the reward-model score is placed on the final (EOS) token; the per-token KL penalty -beta * KL(pi || pi_ref)
     is added to every token (Ziegler et al. 2019), with a fixed or adaptive beta;
   - advantages: `gae` (Schulman et al. 2016, with a critic initialised from the reward model), `reinforce++`
-    (discounted KL-penalised returns, whitened over the batch), `grpo` (scores normalised within each prompt's group,
-    KL as a k3 loss term; Shao et al. 2024), `rloo` (leave-one-out baseline; Ahmadian et al. 2024);
+    (discounted KL-penalised returns, whitened over the batch; `reinforce++-baseline` first subtracts each prompt
+    group's mean score), `grpo` (scores normalised within each prompt's group, KL as a k3 loss term; Shao et al.
+    2024), `dr_grpo` (grpo without the std and length normalisations; Liu et al. 2025), `rloo` (leave-one-out
+    baseline; Ahmadian et al. 2024);
   - old log-probs are recomputed by the trainer, not taken from vLLM; the mean absolute difference between the two
     is logged as `vllm/logprob_diff` and shows at once when the weight sync is wrong;
-  - policy ratio clipping and value clipping (PPO), optional entropy bonus and pretraining (ptx) loss;
+  - policy ratio clipping (with DAPO's clip-higher and dual-clip as options) and value clipping (PPO), a choice of
+    how token losses are averaged (--loss_agg), truncated importance sampling against vLLM's log-probs
+    (--vllm_is_correction), optional entropy bonus and pretraining (ptx) loss;
   - reward normalisation with the mean/std rm.py stores, then clipping; a critic initialised from a reward model
     gives values on the same normalised scale; advantage whitening for gae and reinforce++ only (as OpenRLHF);
   - checkpoints hold every trained role, the data position and the KL controller; each role is saved first and
@@ -169,14 +173,29 @@ class Args:
     """AdamW weight decay"""
     grad_clip: float = 1.0
     """clip the gradient norm to this value"""
-    advantage_estimator: Literal["gae", "reinforce++", "grpo", "rloo"] = "gae"
-    """how advantages are computed; only gae uses a critic"""
+    advantage_estimator: Literal["gae", "reinforce++", "reinforce++-baseline", "grpo", "dr_grpo", "rloo"] = "gae"
+    """how advantages are computed; only gae uses a critic (docs/ppo.md compares them)"""
     gamma: float = 1.0
     """discount factor"""
     lambd: float = 0.95
     """GAE lambda"""
     eps_clip: float = 0.2
-    """PPO policy ratio clip range"""
+    """PPO policy ratio clip range: the ratio is kept in [1 - eps_clip, 1 + eps_clip]"""
+    eps_clip_low: float | None = None
+    """the lower clip range alone, 1 - eps_clip_low (default: --eps_clip)"""
+    eps_clip_high: float | None = None
+    """the upper clip range alone, 1 + eps_clip_high (default: --eps_clip); DAPO's clip-higher raises it to 0.28"""
+    dual_clip: float | None = None
+    """dual-clip PPO: a token with a negative advantage loses at most dual_clip x its advantage (> 1, e.g. 3)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
+    """how the per-token policy loss is averaged: over all tokens (DAPO), per sequence then over sequences (GRPO),
+    or summed per sequence over --generate_max_len then averaged (Dr. GRPO) (default: the last for dr_grpo, else
+    token-mean)"""
+    vllm_is_correction: bool = False
+    """weigh each token's policy loss by the truncated importance ratio min(pi_trainer / pi_vllm, --vllm_is_cap)
+    of the trainer's log-prob to vLLM's: the sampler and trainer differ (kernels, precision)"""
+    vllm_is_cap: float = 2.0
+    """the cap of --vllm_is_correction's ratio"""
     value_clip: float = 0.2
     """PPO value clip range"""
     init_kl_coef: float = 0.01
@@ -219,17 +238,41 @@ class Args:
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
-def policy_loss(logprobs, old_logprobs, advantages, mask, eps_clip):
-    """PPO's clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss; all (batch, seq).
+KL_IN_LOSS = ("grpo", "dr_grpo")  # estimators whose KL to the reference is a loss term, not a reward penalty
+GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce++-baseline")  # estimators that compare samples of one prompt
 
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
+                agg="token-mean", max_len=1):
+    """PPO's clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss; all tensors (batch, seq).
+
+        J_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),   r_t = pi(a_t) / pi_old(a_t)
+
+    Separate clip ranges give DAPO's clip-higher (Yu et al. 2025): a larger 1 + clip_high lets unlikely tokens with
+    a positive advantage grow, against entropy collapse. `dual_clip` = c > 1 bounds J_t below by c A_t where A_t < 0
+    (Ye et al. 2020): a ratio far above 1 on a bad token no longer makes the loss unbounded. `weights` multiply each
+    token's J_t (the truncated importance ratio of --vllm_is_correction). `agg`: tricks.aggregate.
     Returns (loss, clip fraction, approximate KL between the old and new policy).
     """
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
-    surrogate = torch.min(ratio * advantages, ratio.clamp(1 - eps_clip, 1 + eps_clip) * advantages)
-    clipped = ((ratio - 1).abs() > eps_clip).float()
+    surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+    if dual_clip is not None:
+        surrogate = torch.where(advantages < 0, torch.max(surrogate, dual_clip * advantages), surrogate)
+    if weights is not None:
+        surrogate = surrogate * weights
+    clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
     approx_kl = 0.5 * log_ratio.pow(2)
-    return -tricks.masked_mean(surrogate, mask), tricks.masked_mean(clipped, mask), tricks.masked_mean(approx_kl, mask)
+    return (-tricks.aggregate(surrogate, mask, agg, max_len), tricks.masked_mean(clipped, mask),
+            tricks.masked_mean(approx_kl, mask))
+
+
+def truncated_is_weights(old_logprobs, vllm_logprobs, mask, cap):
+    """Truncated importance sampling (Yao et al. 2025): vLLM sampled from pi_vllm, the loss assumes pi_old (the
+    trainer's log-probs of the same weights); weigh each token by min(pi_old / pi_vllm, cap). Returns the weights
+    (batch, seq), 0 outside the mask, and the fraction of tokens where the cap binds."""
+    ratio = torch.where(mask.bool(), old_logprobs - vllm_logprobs, 0.0).exp()
+    return torch.where(mask.bool(), ratio.clamp(max=cap), 0.0), tricks.masked_mean((ratio > cap).float(), mask)
 
 
 def value_loss(values, old_values, returns, mask, value_clip):
@@ -242,24 +285,26 @@ def value_loss(values, old_values, returns, mask, value_clip):
 def compute_advantages(args, scores, kl, values, mask, kl_coef):
     """Advantages and returns for the chosen estimator; scores (batch,), everything else (batch, seq).
 
-    `kl` is the per-token KL estimate of the reward penalty. As in OpenRLHF, only gae and reinforce++ whiten their
-    advantages over the batch: grpo's and rloo's are already centred within each prompt's group, and whitening
+    `kl` is the per-token KL estimate of the reward penalty. As in OpenRLHF, only gae and reinforce++ (with or
+    without its group-mean baseline) whiten their advantages over the batch: grpo's, dr_grpo's and rloo's are
+    already centred within each prompt's group, and whitening
     rloo's token returns (mean removed over all tokens) would bring back a baseline that depends on the response's
     length, which undoes the leave-one-out estimator's unbiasedness (Ahmadian et al. 2024).
     """
-    if args.advantage_estimator == "grpo":  # KL goes into the loss instead (see ActorWorker.fit)
-        group = tricks.group_advantages(scores, args.n_samples_per_prompt, "grpo")
+    estimator = args.advantage_estimator
+    if estimator in KL_IN_LOSS:  # KL goes into the loss instead (see ActorWorker.fit)
+        group = tricks.group_advantages(scores, args.n_samples_per_prompt, "grpo" if estimator == "grpo" else "mean")
         advantages = group[:, None] * mask
         return advantages, advantages
-    if args.advantage_estimator == "rloo":
-        scores = tricks.group_advantages(scores, args.n_samples_per_prompt, "rloo")
+    if estimator in ("rloo", "reinforce++-baseline"):  # a baseline from the other samples of the same prompt
+        scores = tricks.group_advantages(scores, args.n_samples_per_prompt, "rloo" if estimator == "rloo" else "mean")
     token_rewards = tricks.compute_token_rewards(scores, kl, mask, kl_coef)
-    if args.advantage_estimator == "gae":
+    if estimator == "gae":
         advantages, returns = tricks.compute_gae(token_rewards, values, mask, args.gamma, args.lambd)
     else:
         returns = tricks.compute_returns(token_rewards, mask, args.gamma)
         advantages = returns
-    if args.advantage_estimator == "rloo":
+    if estimator == "rloo":
         return advantages, returns
     return tricks.masked_whiten(advantages, mask), returns
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
@@ -349,6 +394,9 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)
     experience = {**batch, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "values": values,
                   "advantages": advantages, "returns": returns}
+    if args.vllm_is_correction:
+        experience["is_weights"], metrics["vllm/is_capped"] = truncated_is_weights(
+            old_logprobs, batch["vllm_logprobs"], mask, args.vllm_is_cap)
     metrics.update({
         "objective/scores": scores.mean(), "objective/kl": tricks.masked_mean(token_kl, mask, dim=-1).mean(),
         "objective/advantages": tricks.masked_mean(advantages, mask), "objective/returns": returns.sum(-1).mean(),
@@ -384,6 +432,17 @@ def split(batch: dict, size: int, shuffle_seed: int | None = None) -> list[dict]
 def pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad (batch, seq) to (batch, width): micro-batches are trimmed, the batch they came from is not."""
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def clip_range(args: Args) -> tuple[float, float]:
+    """(low, high): the policy ratio is clipped to [1 - low, 1 + high]."""
+    low, high = args.eps_clip_low, args.eps_clip_high
+    return (args.eps_clip if low is None else low), (args.eps_clip if high is None else high)
+
+
+def loss_agg(args: Args) -> str:
+    """--loss_agg, or its default: Dr. GRPO's unnormalised sequence sums for dr_grpo, else the mean over tokens."""
+    return args.loss_agg or ("seq-mean-token-sum-norm" if args.advantage_estimator == "dr_grpo" else "token-mean")
 
 
 def micro_rollout(args: Args) -> int:
@@ -485,11 +544,12 @@ class ActorWorker(ReferenceWorker):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
                 logprobs, entropy = self._logprobs(mb, with_entropy=True)
                 mask = mb["action_mask"]
-                loss, clipfrac, approx_kl = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
-                                                        args.eps_clip)
-                if args.advantage_estimator == "grpo":  # GRPO's KL term: k3 against the reference, in the loss
+                loss, clipfrac, approx_kl = policy_loss(
+                    logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip,
+                    mb.get("is_weights"), loss_agg(args), args.generate_max_len)
+                if args.advantage_estimator in KL_IN_LOSS:  # GRPO's KL term: k3 against the reference, in the loss
                     kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3")
-                    loss = loss + kl_coef * tricks.masked_mean(kl, mask)
+                    loss = loss + kl_coef * tricks.aggregate(kl, mask, loss_agg(args), args.generate_max_len)
                 mean_entropy = tricks.masked_mean(entropy, mask)
                 loss = loss - args.entropy_coef * mean_entropy
                 if self.ptx:  # InstructGPT's PPO-ptx: keep the pretraining distribution's likelihood up
@@ -603,9 +663,19 @@ def load_prompts(args, tokenizer, source, split_name) -> list[dict]:
 def check_args(args: Args) -> None:
     """Catch flag mistakes before any worker starts."""
     rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
-    if args.advantage_estimator in ("grpo", "rloo") and args.n_samples_per_prompt < 2:
+    if args.advantage_estimator in GROUPED and args.n_samples_per_prompt < 2:
         raise UserError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt; "
                         f"set --n_samples_per_prompt to 2 or more.")
+    low, high = clip_range(args)
+    if not (0 < low < 1 and high > 0):
+        raise UserError(f"the policy ratio's clip range [1 - {low}, 1 + {high}] is empty or unbounded; give "
+                        f"--eps_clip (or --eps_clip_low and --eps_clip_high) between 0 and 1, e.g. 0.2.")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise UserError(f"--dual_clip {args.dual_clip} must be above 1 (3 is usual): it bounds the loss of a "
+                        f"negative-advantage token at dual_clip x its advantage.")
+    if args.vllm_is_cap < 1:
+        raise UserError(f"--vllm_is_cap {args.vllm_is_cap} would down-weight tokens both policies agree on; give a "
+                        f"cap of 1 or more (2 is usual).")
     rollout = args.rollout_batch_size * args.n_samples_per_prompt
     if rollout % args.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {rollout} responses must be a multiple "
@@ -681,7 +751,7 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
                                   (args, args.pretrain, total_actor_steps), role="actor"), "engines": engines}
     ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
         args.ref_num_workers, cpus, "reference")
-    if args.init_kl_coef > 0 or args.advantage_estimator == "grpo":
+    if args.init_kl_coef > 0 or args.advantage_estimator in KL_IN_LOSS:
         roles["ref"] = WorkerGroup(ReferenceWorker, ref_pg, shares["reference"], cpus, (args, args.pretrain),
                                    role="reference")
     critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
@@ -710,7 +780,7 @@ def role_shares(args: Args) -> dict[str, float]:
 def check_colocation(args: Args, shares: dict[str, float]) -> None:
     """Refuse, before anything is placed, roles colocated on one bundle that ask for more than all of it: Ray would
     start the first ones and leave the last pending forever (e.g. --colocate_critic_reward with 2 reward models)."""
-    uses = {"reference": args.init_kl_coef > 0 or args.advantage_estimator == "grpo",
+    uses = {"reference": args.init_kl_coef > 0 or args.advantage_estimator in KL_IN_LOSS,
             "critic": args.advantage_estimator == "gae"}
     ref = {"reference": shares["reference"]} if uses["reference"] else {}
     critic = {"critic": shares["critic"]} if uses["critic"] else {}

@@ -92,7 +92,7 @@ def plan(args) -> dict:
     def put(group: str, gpus: int, role: str, need: dict) -> None:
         groups.setdefault(group, (gpus, {}))[1][role] = need
 
-    if args.init_kl_coef > 0 or args.advantage_estimator == "grpo":
+    if args.init_kl_coef > 0 or args.advantage_estimator in ("grpo", "dr_grpo"):  # ppo_ray.KL_IN_LOSS
         shared = args.colocate_actor_ref or args.colocate_all
         gpus = n_actor if shared else args.ref_num_workers
         put("actor" if shared else "reference", gpus, "reference",

@@ -8,8 +8,9 @@ Nothing divides by an empty count: a statistic over no tokens is 0.
     - kl_penalty                              per-token KL estimators k1, k2, k3 (http://joschu.net/blog/kl-approx.html)
     - FixedKLController / AdaptiveKLController  the KL coefficient (Ziegler et al. 2019)
     - masked_mean / masked_var / masked_whiten
+    - aggregate                               a per-token loss to a scalar: DAPO, GRPO, Dr. GRPO
     - place_reward_on_eos / compute_token_rewards
-    - group_advantages                        critic-free baselines: GRPO, RLOO
+    - group_advantages                        critic-free baselines: GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline
 """
 
 import torch
@@ -43,6 +44,27 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.bool()
     whitened = (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + WHITEN_EPS)
     return torch.where(mask, whitened, 0.0)
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 1) -> torch.Tensor:
+    """A per-token loss (batch, seq) as one number, by how much each token and each sequence weighs.
+
+    - "token-mean": the mean over every masked token of the batch: each token weighs the same, so a long response
+      weighs more than a short one (DAPO, Yu et al. 2025).
+    - "seq-mean-token-mean": each sequence's token mean, then the mean over sequences: each response weighs the
+      same, its tokens less the longer it is (GRPO as written, Shao et al. 2024).
+    - "seq-mean-token-sum-norm": each sequence's token sum over the constant `max_len`, then the mean over
+      sequences: no length normalisation, which with GRPO's favours long wrong answers (Dr. GRPO, Liu et al. 2025).
+    """
+    mask = mask.bool()
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return (torch.where(mask, loss, 0.0).sum(-1) / max_len).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
+                     f"'seq-mean-token-sum-norm'.")
 
 
 # ----------------------------------------------------------------------------------------------- advantages
@@ -93,6 +115,9 @@ def group_advantages(
     """Critic-free advantages for a flat (batch,) of scores holding n_samples_per_prompt consecutive samples per prompt.
 
     - "grpo" (Shao et al. 2024, DeepSeekMath): score minus its group's mean, over the group's std + eps.
+    - "mean": score minus its group's mean, not divided by the std, which weighs prompts that are almost always
+      (or never) solved more than their signal warrants (Dr. GRPO, Liu et al. 2025); REINFORCE++-baseline's
+      baseline (Hu et al. 2025) before its batch whitening.
     - "rloo" (Ahmadian et al. 2024): score minus the mean of the other samples of the same prompt, an unbiased
       baseline because it does not depend on the sample itself; needs at least 2 samples per prompt.
     """
@@ -107,13 +132,15 @@ def group_advantages(
         # One sample has no spread to divide by; correction=0 makes its std 0 instead of NaN.
         std = groups.std(dim=1, keepdim=True, correction=1 if n > 1 else 0)
         advantages = (groups - groups.mean(dim=1, keepdim=True)) / (std + eps)
+    elif kind == "mean":
+        advantages = groups - groups.mean(dim=1, keepdim=True)
     elif kind == "rloo":
         if n < 2:
             raise ValueError("rloo needs n_samples_per_prompt >= 2 to form a leave-one-out baseline; raise it.")
         baseline = (groups.sum(dim=1, keepdim=True) - groups) / (n - 1)
         advantages = groups - baseline
     else:
-        raise ValueError(f"unknown group advantage {kind!r}; use 'grpo' or 'rloo'.")
+        raise ValueError(f"unknown group advantage {kind!r}; use 'grpo', 'mean' or 'rloo'.")
     return advantages.reshape(-1)
 
 

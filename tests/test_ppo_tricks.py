@@ -2,6 +2,7 @@
 ppo_ray.py's advantage estimators on top of them."""
 
 import ast
+import math
 import os
 import re
 from types import SimpleNamespace
@@ -11,7 +12,8 @@ import torch
 
 import ppo_ray
 from common import ppo_tricks
-from common.ppo_tricks import (AdaptiveKLController, FixedKLController, compute_gae, compute_returns,
+from common.args import UserError
+from common.ppo_tricks import (AdaptiveKLController, FixedKLController, aggregate, compute_gae, compute_returns,
                                compute_token_rewards, group_advantages, kl_penalty, masked_mean, masked_var,
                                masked_whiten, place_reward_on_eos)
 
@@ -372,3 +374,84 @@ def test_every_ppo_trick_is_run_by_a_script():
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and defined_here:
                 used.add(node.func.id)
     assert not public - used, f"defined in common/ppo_tricks.py but run by no script: {sorted(public - used)}"
+
+
+# ------------------------------------------------------------------------------ modern estimators and losses
+def test_group_mean_baseline_is_not_divided_by_the_std():
+    """Dr. GRPO and REINFORCE++-baseline: the score minus its group's mean, worked by hand."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 4.0, 6.0])  # two prompts x 4 samples
+    assert group_advantages(scores, 4, "mean").tolist() == [0.75, -0.25, -0.25, -0.25, -2.0, 0.0, 0.0, 2.0]
+    grpo = group_advantages(scores, 4, "grpo")  # the same centring, divided by each group's std (0.5, 1.633)
+    torch.testing.assert_close(grpo[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6))
+
+
+def test_reinforce_baseline_advantages_are_group_centred_returns_whitened_over_the_batch():
+    args, scores, kl, values, mask = rollout("reinforce++-baseline")
+    advantages, returns = ppo_ray.compute_advantages(args, scores, kl, values, mask, kl_coef=0.1)
+    centred = scores - scores.reshape(-1, 2).mean(1).repeat_interleave(2)
+    expected = compute_returns(compute_token_rewards(centred, kl, mask, 0.1), mask, 1.0)
+    torch.testing.assert_close(returns, expected)
+    torch.testing.assert_close(advantages, masked_whiten(expected, mask))
+
+
+def test_dr_grpo_advantages_are_centred_scores_on_every_token_and_its_loss_is_not_length_normalised():
+    args, scores, kl, values, mask = rollout("dr_grpo")
+    args.loss_agg = None
+    advantages, _ = ppo_ray.compute_advantages(args, scores, kl, values, mask, kl_coef=0.1)
+    centred = scores - scores.reshape(-1, 2).mean(1).repeat_interleave(2)  # [0.5, -0.5, -0.5, 0.5, 0, 0, -0.5, 0.5]
+    torch.testing.assert_close(advantages, centred[:, None] * mask)
+    assert ppo_ray.loss_agg(args) == "seq-mean-token-sum-norm"
+
+
+def test_loss_aggregations_worked_by_hand():
+    """Two responses, 1 and 3 tokens long, with per-token losses 4 | 1 1 1."""
+    loss = torch.tensor([[4.0, 9.0, 9.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(7 / 4)  # every token alike
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((4 + 1) / 2)  # every response alike
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", max_len=8).item() == pytest.approx((4 / 8 + 3 / 8) / 2)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate(loss, mask, "sum")
+
+
+def test_clip_higher_and_dual_clip_worked_by_hand():
+    """One token per case: the ratio r = exp(logprob - old), the advantage A, and the surrogate PPO maximises."""
+    ratio = torch.tensor([[1.25, 1.25, 0.9, 10.0, 10.0]])
+    advantage = torch.tensor([[1.0, -1.0, -1.0, -1.0, 1.0]])
+    mask = torch.ones_like(ratio)
+    old = torch.zeros_like(ratio)
+
+    def surrogate(**kwargs):
+        loss, clipfrac, _ = ppo_ray.policy_loss(ratio.log(), old, advantage, mask, **kwargs,
+                                                agg="seq-mean-token-sum-norm")  # the sum over the 5 tokens
+        return -loss.item(), clipfrac.item()
+
+    # symmetric 0.2: min(rA, clip(r, 0.8, 1.2) A) = 1.2, -1.25, -0.9, -10, 1.2; 4 of 5 ratios outside the range
+    assert surrogate(clip_low=0.2, clip_high=0.2) == pytest.approx((1.2 - 1.25 - 0.9 - 10 + 1.2, 4 / 5))
+    # clip-higher 0.28: 1.25 is inside now, and the last token's gain is cut at 1.28
+    assert surrogate(clip_low=0.2, clip_high=0.28) == pytest.approx((1.25 - 1.25 - 0.9 - 10 + 1.28, 2 / 5))
+    # dual clip 3: a negative advantage loses at most 3 |A|: the fourth token's -10 becomes -3
+    assert surrogate(clip_low=0.2, clip_high=0.2, dual_clip=3.0)[0] == pytest.approx(1.2 - 1.25 - 0.9 - 3 + 1.2)
+    # weights multiply each token's surrogate
+    weights = torch.tensor([[2.0, 1.0, 1.0, 0.0, 1.0]])
+    assert surrogate(clip_low=0.2, clip_high=0.2, weights=weights)[0] == pytest.approx(2.4 - 1.25 - 0.9 + 1.2)
+
+
+def test_truncated_importance_weights_worked_by_hand():
+    old = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
+    vllm = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]])  # ratios 1, e, e^-0.5; the last is not a response token
+    mask = torch.tensor([[1, 1, 1, 0]])
+    weights, capped = ppo_ray.truncated_is_weights(old, vllm, mask, cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, math.exp(-0.5), 0.0]]))
+    assert capped.item() == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("flags,words", [
+    ({"eps_clip_low": 1.0}, "clip range [1 - 1.0, 1 + 0.2] is empty"),
+    ({"dual_clip": 0.5}, "--dual_clip 0.5 must be above 1"),
+    ({"vllm_is_cap": 0.5}, "--vllm_is_cap 0.5 would down-weight"),
+    ({"advantage_estimator": "reinforce++-baseline"}, "compares samples of the same prompt"),
+])
+def test_new_loss_flags_that_cannot_work_are_refused(flags, words):
+    with pytest.raises(UserError, match=re.escape(words)):
+        ppo_ray.check_args(ppo_ray.Args(pretrain="unused", reward_fn="unused.py:f", **flags))
