@@ -33,7 +33,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from common import checkpoint, data
-from common.args import UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
+from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, parse_args,
+                         run_main)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
@@ -196,6 +197,7 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
 
 def main(args: Args):
     check_model_path(args.pretrain)
+    check_causal_lm(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
     if args.beta <= 0 or args.desirable_weight < 0 or args.undesirable_weight < 0:

@@ -52,8 +52,8 @@ from transformers import AutoModelForSequenceClassification
 
 from common import memory_plan, rewards
 from common import ppo_tricks as tricks
-from common.args import (Interrupted, UserError, check_lengths, check_model_path, check_output_dir, parse_args,
-                         run_main, stop_on_sigterm)
+from common.args import (Interrupted, UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir,
+                         parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_settings, describe, load_train_state, save_hf_model, save_train_state,
                                write_atomically)
 from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
@@ -686,6 +686,7 @@ def check_args(args: Args) -> None:
             raise UserError(f"{rollout} responses per step do not split into {workers} {role} worker(s) x "
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
     check_model_path(args.pretrain)
+    check_causal_lm(args.pretrain)
     check_output_dir(args.output_dir)
     check_resumable(args)
     sequence = ("--prompt_max_len + --generate_max_len", args.prompt_max_len + args.generate_max_len,

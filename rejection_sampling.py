@@ -63,7 +63,7 @@ import ray
 import torch
 
 from common import data, rewards
-from common.args import (UserError, check_lengths, check_model_path, check_output_dir, model_max_len,
+from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, model_max_len,
                          parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import SaveFailed, describe, write_atomically
 from common.deepspeed_utils import load_tokenizer
@@ -212,6 +212,7 @@ def check_args(args: Args) -> None:
     """Mistakes in the flags, caught before anything loads; fills in --max_model_len from the model."""
     rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
     check_model_path(args.pretrain)
+    check_causal_lm(args.pretrain)
     check_output_dir(args.output_dir)
     limit = model_max_len(args.pretrain)
     if args.max_model_len is None:

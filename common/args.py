@@ -37,6 +37,32 @@ def check_model_path(path: str, flag: str = "--pretrain") -> None:
         raise UserError(f"{flag} {path} does not exist; give a Hugging Face model folder or hub name.")
 
 
+# Heads whose checkpoints load as a causal LM only with a new, random output layer (a reward model saved by rm.py).
+NOT_LM_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def check_causal_lm(path: str, flag: str = "--pretrain") -> None:
+    """Refuse, from its config.json, a model transformers cannot load as a causal LM, or would load with a new,
+    untrained LM head and train on silently (a reward model where the policy belongs)."""
+    config_file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(config_file):
+        return  # a hub name: transformers reports its own errors
+    with open(config_file) as f:
+        config = json.load(f)
+    if "AutoModelForCausalLM" in (config.get("auto_map") or {}):
+        return  # the model's own code (trust_remote_code) says how it loads
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"{flag} {path} is a {model_type!r} model, which transformers cannot load as a causal "
+                        f"language model; give a decoder-only model (Llama, Qwen2, Mistral, ...).")
+    if architectures and all(a.endswith(NOT_LM_HEADS) for a in architectures):
+        raise UserError(f"{flag} {path} is a {architectures[0]}, not a causal language model: loaded as one it would "
+                        f"get a new, untrained output layer. Give the policy's folder (a reward model belongs to "
+                        f"--reward_pretrain).")
+
+
 def check_output_dir(path: str, flag: str = "--output_dir") -> None:
     """Refuse an output folder that is a file, or that this user cannot create or write, before any work is done."""
     if os.path.exists(path) and not os.path.isdir(path):

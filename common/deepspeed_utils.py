@@ -16,7 +16,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
-from common.args import UserError, check_model_path
+from common.args import UserError, check_causal_lm, check_model_path
 from common.net import free_port
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
@@ -136,6 +136,8 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
     transformers partitions at load while a HfDeepSpeedConfig object is alive, so it is kept on the model.
     """
     check_model_path(path, flag)
+    if model_class is AutoModelForCausalLM:
+        check_causal_lm(path, flag)
     hf_ds_config = HfDeepSpeedConfig(config) if config["zero_optimization"]["stage"] == 3 else None
     dtype = torch.bfloat16 if use_bf16() else torch.float32
     attn = attention_implementation(dtype)

@@ -72,6 +72,25 @@ def short_model(tiny_model, tmp_path_factory) -> str:
     return str(folder)
 
 
+def with_config(tiny_model: str, folder, **changes) -> str:
+    """The tiny model's files, its config.json changed."""
+    folder.mkdir()
+    for name in os.listdir(tiny_model):
+        if name != "config.json":
+            os.symlink(os.path.join(tiny_model, name), folder / name)
+    config = json.load(open(os.path.join(tiny_model, "config.json")))
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def not_causal_lms(tiny_model, tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("not_causal_lms")
+    return {"reward model": with_config(tiny_model, folder / "rm", architectures=["LlamaForSequenceClassification"]),
+            "t5": with_config(tiny_model, folder / "t5", model_type="t5",
+                              architectures=["T5ForConditionalGeneration"])}
+
+
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("bad_files")
@@ -93,13 +112,19 @@ def bad_files(tmp_path_factory) -> dict:
     ("model folder without config.json", "has no config.json; give a Hugging Face model folder"),
     ("output dir is a file", "is a file; give a folder"),
     ("lengths beyond the model's positions", "more than --pretrain"),
+    ("a reward model where the policy belongs", "is a LlamaForSequenceClassification, not a causal language model"),
+    ("an encoder-decoder model", "is a 't5' model, which transformers cannot load as a causal language model"),
 ])
-def test_refused_before_anything_loads(script, fault, words, tiny_model, short_model, task, bad_files, tmp_path,
-                                       capsys):
+def test_refused_before_anything_loads(script, fault, words, tiny_model, short_model, not_causal_lms, task,
+                                       bad_files, tmp_path, capsys):
+    if script == "rm" and fault in ("a reward model where the policy belongs", "an encoder-decoder model"):
+        pytest.skip("rm.py trains a scalar head on any backbone, a reward model's included")
     out = str(tmp_path / "out")
     model = {"model path missing": str(tmp_path / "no_such_model"),
              "model folder without config.json": bad_files["no_config"],
-             "lengths beyond the model's positions": short_model}.get(fault, tiny_model)
+             "lengths beyond the model's positions": short_model,
+             "a reward model where the policy belongs": not_causal_lms["reward model"],
+             "an encoder-decoder model": not_causal_lms["t5"]}.get(fault, tiny_model)
     if fault == "output dir is a file":
         out = bad_files["a_file"]
     code, stderr = run_in_process(script, command(script, model, task, out), capsys)
