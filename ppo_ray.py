@@ -196,6 +196,14 @@ class Args:
     of the trainer's log-prob to vLLM's: the sampler and trainer differ (kernels, precision)"""
     vllm_is_cap: float = 2.0
     """the cap of --vllm_is_correction's ratio"""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong penalty: a response within this many tokens of --generate_max_len loses up to
+    --overlong_penalty_factor of its reward, linearly; one cut at the limit loses all of it (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """the most a response loses to --overlong_buffer_len"""
+    overlong_filter: bool = False
+    """leave responses cut at --generate_max_len out of the loss (DAPO's overlong filtering): their truncated
+    ending says nothing about how good the answer was"""
     value_clip: float = 0.2
     """PPO value clip range"""
     init_kl_coef: float = 0.01
@@ -386,6 +394,14 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     scores, metrics = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in prompts for _ in range(n)],
                             responses, [p["label"] for p in prompts for _ in range(n)])
 
+    lengths = batch["action_mask"].sum(-1)
+    if args.overlong_buffer_len:
+        penalty = tricks.overlong_penalty(lengths, args.generate_max_len,
+                                          args.overlong_buffer_len, args.overlong_penalty_factor)
+        scores, metrics["rewards/overlong_penalty"] = scores + penalty, penalty.mean()
+    if args.overlong_filter:  # out of every loss and statistic: as if they had not been sampled
+        truncated = torch.tensor([s["finish_reason"] == "length" for group in samples for s in group])
+        batch["action_mask"] = batch["action_mask"] * ~truncated[:, None]
     mask = batch["action_mask"]
     old_logprobs = gather(actor, actor_logprobs, rows)
     ref_logprobs = gather(ref, ref_logprobs, rows) if ref else old_logprobs
@@ -400,7 +416,7 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     metrics.update({
         "objective/scores": scores.mean(), "objective/kl": tricks.masked_mean(token_kl, mask, dim=-1).mean(),
         "objective/advantages": tricks.masked_mean(advantages, mask), "objective/returns": returns.sum(-1).mean(),
-        "response/length": mask.sum(-1).float().mean(),
+        "response/length": lengths.float().mean(),
         "response/truncated": sum(s["finish_reason"] == "length" for group in samples for s in group) / rows,
         "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask)})
     return experience, metrics
@@ -673,6 +689,9 @@ def check_args(args: Args) -> None:
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise UserError(f"--dual_clip {args.dual_clip} must be above 1 (3 is usual): it bounds the loss of a "
                         f"negative-advantage token at dual_clip x its advantage.")
+    if not 0 <= args.overlong_buffer_len < args.generate_max_len:
+        raise UserError(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
+                        f"{args.generate_max_len} (a quarter of it is usual).")
     if args.vllm_is_cap < 1:
         raise UserError(f"--vllm_is_cap {args.vllm_is_cap} would down-weight tokens both policies agree on; give a "
                         f"cap of 1 or more (2 is usual).")

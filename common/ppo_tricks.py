@@ -10,6 +10,7 @@ Nothing divides by an empty count: a statistic over no tokens is 0.
     - masked_mean / masked_var / masked_whiten
     - aggregate                               a per-token loss to a scalar: DAPO, GRPO, Dr. GRPO
     - place_reward_on_eos / compute_token_rewards
+    - overlong_penalty                        DAPO's soft penalty on responses near the length limit
     - group_advantages                        critic-free baselines: GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline
 """
 
@@ -221,6 +222,16 @@ def place_reward_on_eos(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)  # (batch, seq)
     rewards.scatter_(1, last.clamp(min=0)[:, None], scores[:, None])
     return torch.where(mask, rewards, 0.0)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), (batch,) from response lengths in tokens.
+
+    0 up to max_len - buffer_len tokens, then falling linearly to -factor at max_len: a response cut at the limit
+    is penalised as a whole, and one that nearly was, a little, so the policy learns to stop before the cut.
+    """
+    over = (lengths.float() - (max_len - buffer_len)).clamp(min=0) / buffer_len
+    return -factor * over.clamp(max=1)
 
 
 def compute_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:

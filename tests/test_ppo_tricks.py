@@ -15,7 +15,7 @@ from common import ppo_tricks
 from common.args import UserError
 from common.ppo_tricks import (AdaptiveKLController, FixedKLController, aggregate, compute_gae, compute_returns,
                                compute_token_rewards, group_advantages, kl_penalty, masked_mean, masked_var,
-                               masked_whiten, place_reward_on_eos)
+                               masked_whiten, overlong_penalty, place_reward_on_eos)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -451,7 +451,15 @@ def test_truncated_importance_weights_worked_by_hand():
     ({"dual_clip": 0.5}, "--dual_clip 0.5 must be above 1"),
     ({"vllm_is_cap": 0.5}, "--vllm_is_cap 0.5 would down-weight"),
     ({"advantage_estimator": "reinforce++-baseline"}, "compares samples of the same prompt"),
+    ({"overlong_buffer_len": 64}, "--overlong_buffer_len 64 must be below --generate_max_len 64"),
 ])
 def test_new_loss_flags_that_cannot_work_are_refused(flags, words):
     with pytest.raises(UserError, match=re.escape(words)):
         ppo_ray.check_args(ppo_ray.Args(pretrain="unused", reward_fn="unused.py:f", **flags))
+
+
+def test_overlong_penalty_worked_by_hand():
+    """Limit 16 tokens, a buffer of 4: nothing up to 12 tokens, then -factor/4 per token, -factor at 16."""
+    lengths = torch.tensor([3, 12, 13, 15, 16])
+    assert overlong_penalty(lengths, 16, 4, 1.0).tolist() == [0.0, 0.0, -0.25, -0.75, -1.0]
+    assert overlong_penalty(lengths, 16, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.375, -0.5]
