@@ -284,6 +284,7 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
         sampling_seconds = time.time() - start
     finally:
         ray.shutdown()
+        stop_on_sigterm()  # Ray's core worker leaves SIGTERM at its default (death, no word) when it shuts down
     return [[sample["token_ids"] for sample in samples] for chunk in results for samples in chunk], sampling_seconds
 
 

@@ -197,7 +197,8 @@ def _raise_keyboard_interrupt(signum, frame):
 def stop_on_sigterm() -> None:
     """Make SIGTERM (a scheduler's or `kill`'s stop) end the run as Ctrl-C does, through run_main's sentence.
 
-    run_main calls it; call it again after ray.init(), whose driver installs a handler that aborts the process."""
+    run_main calls it; call it again after ray.init(), whose driver installs a handler that aborts the process, and
+    after ray.shutdown(), which leaves SIGTERM at its default in the C library, where Python does not see it."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
 
