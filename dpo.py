@@ -37,8 +37,8 @@ from deepspeed.accelerator import get_accelerator
 from common import checkpoint, data
 from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, parse_args,
                          run_main)
-from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
-                                    load_model, load_tokenizer)
+from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
+                                    init_train_engine, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import next_token_logprobs
 
@@ -192,8 +192,11 @@ def main(args: Args):
                         f"{args.label_smoothing}.")
     if args.ipo and args.label_smoothing:
         raise UserError("--label_smoothing is conservative DPO's; leave it at 0 with --ipo.")
-    # The data is checked before the distributed world and DeepSpeed start; only rank 0 reports on it.
+    # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
+    # reports on the data.
     launcher_rank = int(os.environ.get("RANK", "0"))
+    gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size,
+                                int(os.environ.get("WORLD_SIZE", 1)))
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
     if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():

@@ -39,7 +39,8 @@ from transformers import AutoModelForSequenceClassification
 
 from common import checkpoint, data
 from common.args import UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
-from common.deepspeed_utils import device, ds_config, init_distributed, init_train_engine, load_model, load_tokenizer
+from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
+                                    load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import sequence_rewards
 
@@ -180,8 +181,11 @@ def main(args: Args):
     check_model_path(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
-    # The data is checked before the distributed world and DeepSpeed start; only rank 0 reports on it.
+    # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
+    # reports on the data.
     launcher_rank = int(os.environ.get("RANK", "0"))
+    gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size,
+                                int(os.environ.get("WORLD_SIZE", 1)))
     tokenizer = load_tokenizer(args.pretrain)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding
         spare = [t for t in (tokenizer.unk_token, tokenizer.bos_token) if t and t != tokenizer.eos_token]

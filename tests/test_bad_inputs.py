@@ -92,6 +92,21 @@ def not_causal_lms(tiny_model, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
+def other_tokenizer_model(tiny_model, tmp_path_factory) -> str:
+    """A model like the tiny one whose tokenizer has one token more."""
+    from transformers import AutoTokenizer
+
+    from common.tiny_model import build_model
+
+    folder = str(tmp_path_factory.mktemp("other_tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_tokens(["<extra>"])
+    build_model(tokenizer, seed=1).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def bad_files(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("bad_files")
     (folder / "a_file").write_text("not a folder\n")
@@ -143,6 +158,16 @@ def test_reward_flags_that_cannot_work_are_refused(script, extra, words, tiny_mo
     check_refused(code, stderr, words, out)
 
 
+@pytest.mark.parametrize("script,flag", [("ppo_ray", "--reward_pretrain"), ("ppo_ray", "--critic_pretrain"),
+                                         ("rejection_sampling", "--reward_pretrain")])
+def test_a_model_with_another_tokenizer_is_refused(script, flag, tiny_model, other_tokenizer_model, task, tmp_path,
+                                                   capsys):
+    """It would read the policy's token ids as other tokens: scores and values of other texts."""
+    out = str(tmp_path / "out")
+    code, stderr = run_in_process(script, command(script, tiny_model, task, out, flag, other_tokenizer_model), capsys)
+    check_refused(code, stderr, f"{flag} {other_tokenizer_model} has a different tokenizer from the policy", out)
+
+
 @pytest.mark.parametrize("script", ["ppo_ray", "rejection_sampling"])
 @pytest.mark.parametrize("data,words", [
     ("empty.jsonl", "is empty"),
@@ -171,8 +196,9 @@ RESPONSE_KEY = {"sft": "response", "rm": "chosen", "dpo": "chosen", "kto": "resp
 
 
 @pytest.mark.parametrize("script", TRAINERS)
-@pytest.mark.parametrize("fault", ["empty", "malformed line", "missing key", "null response", "not a boolean label",
-                                   "fewer samples than one batch", "every sample too long"])
+@pytest.mark.parametrize("fault", ["file missing", "empty", "malformed line", "missing key", "null response",
+                                   "not a boolean label", "fewer samples than one batch", "every sample too long",
+                                   "batch sizes that do not divide"])
 def test_training_data_faults_name_the_file_and_the_fix(script, fault, tiny_model, task, tmp_path, capsys):
     """Checked before the distributed world or DeepSpeed starts: a bad dataset costs the user seconds."""
     if fault == "not a boolean label" and script != "kto":
@@ -193,17 +219,22 @@ def test_training_data_faults_name_the_file_and_the_fix(script, fault, tiny_mode
         words = "fewer than one batch; lower --train_batch_size below 8"
     elif fault == "every sample too long":
         rows, words = [{**good, "prompt": "What is 1+1? " * 40}] * 16, "--max_len 64"
+    elif fault == "batch sizes that do not divide":
+        extra = ["--train_batch_size", "10", "--micro_train_batch_size", "4"]
+        words = "--train_batch_size 10 must be a multiple of --micro_train_batch_size 4 x 1 ranks"
     dataset = tmp_path / "data.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     if fault == "malformed line":
         dataset.write_text(json.dumps(good) + '\n{"prompt": "What is 2+2?"\n')
         words = "line 2: not valid JSON"
+    elif fault == "file missing":
+        dataset, words = tmp_path / "no_such_data.jsonl", "no_such_data.jsonl does not exist; check the path"
     out = str(tmp_path / "out")
     argv = command(script, tiny_model, task, out, *extra)
     argv[argv.index("--dataset") + 1] = str(dataset)
     code, stderr = run_in_process(script, argv, capsys)
     check_refused(code, stderr, words, out)
-    assert str(dataset) in stderr
+    assert str(dataset) in stderr or fault == "batch sizes that do not divide"
 
 
 def test_ppo_ray_refuses_to_resume_a_checkpoint_of_other_settings(tiny_model, task, tmp_path, capsys):

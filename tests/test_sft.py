@@ -73,35 +73,14 @@ def test_sigkilled_run_resumes_to_the_same_result(tiny_model, task, tmp_path):
                                                                     "step_8"]
 
 
-def bad_input_cases(tiny_model, task, tmp):
-    bad = os.path.join(tmp, "bad.jsonl")
-    with open(bad, "w") as f:
-        f.write('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": "b"}\n{"prompt": oops}\n')
-    empty = os.path.join(tmp, "empty.jsonl")
-    open(empty, "w").close()
-    return {
-        "missing model": (["--pretrain", os.path.join(tmp, "no_such_model")], "no_such_model does not exist"),
-        "missing dataset": (["--dataset", os.path.join(tmp, "nope.jsonl")], "nope.jsonl does not exist"),
-        "malformed line": (["--dataset", bad], "bad.jsonl, line 3: not valid JSON"),
-        "missing key": (["--input_key", "question"], "no key 'question'; the keys present are ['prompt', 'response']"),
-        "empty dataset": (["--dataset", empty], "empty.jsonl is empty"),
-        "batch size": (["--train_batch_size", "10", "--micro_train_batch_size", "4"], "must be a multiple of"),
-        "too long": (["--max_len", "6"], "raise --max_len"),
-    }
-
-
 @pytest.mark.slow
 def test_bad_input_gives_one_clear_sentence_and_writes_nothing(tiny_model, task, tmp_path):
-    cases = bad_input_cases(tiny_model, task, str(tmp_path))
-    procs = {}
-    for name, (override, _) in cases.items():
-        out = str(tmp_path / name.replace(" ", "_"))
-        args = sft_args(tiny_model, task, out, "--max_steps", "2") + override  # later flags win
-        procs[name] = (out, subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *args], cwd=ROOT,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for name, (out, proc) in procs.items():
-        _, stderr = proc.communicate(timeout=300)
-        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{stderr[-2000:]}"
-        assert len(errors) == 1 and cases[name][1] in errors[0], f"{name}: {errors or stderr[-2000:]}"
-        assert not os.path.exists(out), f"{name}: {out} was written"
+    """One case as a user meets it, `python sft.py`: test_bad_inputs.py runs the whole matrix in-process."""
+    out = str(tmp_path / "out")
+    args = sft_args(tiny_model, task, out, "--train_batch_size", "10", "--micro_train_batch_size", "4")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors == ["error: --train_batch_size 10 must be a multiple of --micro_train_batch_size 4 x 1 ranks = 4."]
+    assert not os.path.exists(out)
