@@ -223,7 +223,8 @@ def test_the_checker_catches_stale_flags(tmp_path):
     assert problems == [
         "sft.py has no flag --no_such_flag",
         "sft.py --zero_stage 'three' is not a valid int",
-        "ppo_ray.py --advantage_estimator 'ppo' is not one of ['gae', 'reinforce++', 'grpo', 'rloo']",
+        "ppo_ray.py --advantage_estimator 'ppo' is not one of ['gae', 'reinforce++', 'reinforce++-baseline', 'grpo', "
+        "'dr_grpo', 'rloo']",
         "kto.py has no flag --stale_kto_flag",
         "--train_args: dpo.py has no flag --packing_samples",
     ]

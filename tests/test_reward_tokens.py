@@ -8,6 +8,7 @@ last position the reward model reads.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -24,12 +25,15 @@ PROMPT, RESPONSE, OTHER = "What is 3+4?", "7", "8"
 
 @pytest.fixture(scope="module", params=["chatml", "default"])
 def reward_model(request, tmp_path_factory) -> str:
-    """A reward model folder (a fresh score head on a tiny model) whose tokenizer has the chat format asked for."""
+    """A reward model folder (a fresh score head on a tiny model) whose tokenizer has the chat format asked for; the
+    tiny causal LM it was made from, the policy, is in its folder `policy`."""
     out = str(tmp_path_factory.mktemp(f"rm_{request.param}"))
-    write_tiny_model(out, seed=0, chat_format=request.param, hidden_size=64, num_layers=1, num_heads=2,
+    policy = os.path.join(out, "policy")
+    write_tiny_model(policy, seed=0, chat_format=request.param, hidden_size=64, num_layers=1, num_heads=2,
                      num_kv_heads=1)
-    model = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)
+    model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
     model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(out)
     return out
 
 
@@ -73,7 +77,8 @@ def rejection_sampling_sequence(path, monkeypatch, apply_chat_template) -> list[
         return torch.zeros(len(input_ids))
 
     monkeypatch.setattr(rewards, "sequence_rewards", recording)
-    args = rejection_sampling.Args(pretrain=path, reward_pretrain=[path], apply_chat_template=apply_chat_template,
+    args = rejection_sampling.Args(pretrain=os.path.join(path, "policy"), reward_pretrain=[path],
+                                   apply_chat_template=apply_chat_template,
                                    input_template=None if apply_chat_template else "Q: {} A: ",
                                    n_samples_per_prompt=1, generate_max_len=16)
     rejection_sampling.check_args(args)  # as main() does: fills in --max_model_len from the model
