@@ -4,7 +4,8 @@ Everything is first written under a temporary name and renamed into place once c
 moment leaves either the previous checkpoint or the new one, never a partial one; one process (global rank 0)
 does the renaming, after every rank has written. Training state is DeepSpeed's (model shards, optimizer,
 scheduler) plus the caller's `client_state` (data position, KL controller, ...) and every rank's RNG state; the
-last `keep_last` are kept.
+last `keep_last` are kept. A write that fails (a full disk, a quota) stops every rank at once with the same
+SaveFailed sentence, the previous checkpoint untouched and the failed one's files removed.
 """
 
 import contextlib
