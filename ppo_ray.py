@@ -1,4 +1,4 @@
-"""Distributed PPO (and REINFORCE++, GRPO, RLOO) with Ray, vLLM rollouts and DeepSpeed ZeRO-3: the OpenRLHF design.
+"""Distributed PPO (and REINFORCE++, GRPO, Dr. GRPO, RLOO) with Ray, vLLM and DeepSpeed ZeRO-3: the OpenRLHF design.
 
 RLHF's last stage (Ouyang et al. 2022): sample responses to prompts from the policy, score them with reward models
 and/or a rule, and raise the score with PPO (Schulman et al. 2017) while a KL penalty keeps the policy near the
