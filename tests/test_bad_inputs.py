@@ -3,7 +3,8 @@ written, and what was saved left intact.
 
 The fast cases fail before a model loads, so they run each script's own `main` through `run_main` in this process
 (the `__main__` path minus interpreter start-up); the slow ones run the scripts as a user does and stop them with
-Ctrl-C or SIGTERM mid-run. docs/reliability.md lists each fault, what the user sees and the test that shows it.
+Ctrl-C, SIGTERM or a killed worker mid-run, or fill their disk while they save. docs/reliability.md lists each
+fault, what the user sees and the test that shows it.
 """
 
 import importlib
