@@ -275,6 +275,17 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
             tricks.masked_mean(approx_kl, mask))
 
 
+def clip_range(args: Args) -> tuple[float, float]:
+    """(low, high): the policy ratio is clipped to [1 - low, 1 + high]."""
+    low, high = args.eps_clip_low, args.eps_clip_high
+    return (args.eps_clip if low is None else low), (args.eps_clip if high is None else high)
+
+
+def loss_agg(args: Args) -> str:
+    """--loss_agg, or its default: Dr. GRPO's unnormalised sequence sums for dr_grpo, else the mean over tokens."""
+    return args.loss_agg or ("seq-mean-token-sum-norm" if args.advantage_estimator == "dr_grpo" else "token-mean")
+
+
 def truncated_is_weights(old_logprobs, vllm_logprobs, mask, cap):
     """Truncated importance sampling (Yao et al. 2025): vLLM sampled from pi_vllm, the loss assumes pi_old (the
     trainer's log-probs of the same weights); weigh each token by min(pi_old / pi_vllm, cap). Returns the weights
@@ -448,17 +459,6 @@ def split(batch: dict, size: int, shuffle_seed: int | None = None) -> list[dict]
 def pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
     """Zero-pad (batch, seq) to (batch, width): micro-batches are trimmed, the batch they came from is not."""
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
-def clip_range(args: Args) -> tuple[float, float]:
-    """(low, high): the policy ratio is clipped to [1 - low, 1 + high]."""
-    low, high = args.eps_clip_low, args.eps_clip_high
-    return (args.eps_clip if low is None else low), (args.eps_clip if high is None else high)
-
-
-def loss_agg(args: Args) -> str:
-    """--loss_agg, or its default: Dr. GRPO's unnormalised sequence sums for dr_grpo, else the mean over tokens."""
-    return args.loss_agg or ("seq-mean-token-sum-norm" if args.advantage_estimator == "dr_grpo" else "token-mean")
 
 
 def micro_rollout(args: Args) -> int:

@@ -345,8 +345,10 @@ def test_a_refused_resume_and_a_disk_that_fills_while_saving_leave_the_last_chec
 
 
 def losses(out: str) -> dict[int, float]:
+    """train/loss by step from metrics.jsonl; a line the run is still writing is left for the next read."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return {m["step"]: m["train/loss"] for m in map(json.loads, f) if "train/loss" in m}
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    return {m["step"]: m["train/loss"] for m in rows if "train/loss" in m}
 
 
 @pytest.mark.slow
@@ -396,7 +398,7 @@ def test_a_stopped_trainer_says_what_survives_and_its_rerun_repeats_the_same_los
     assert f"resumed from {os.path.join(out, 'checkpoints')} at step {latest}" in result.stdout
     after = losses(out)
     for step in range(latest + 1, max(before) + 1):
-        assert after[step] == pytest.approx(before[step], rel=1e-5), (step, before, after)
+        assert after[step] == pytest.approx(before[step], rel=1e-4), (step, before, after)  # as test_sft's
 
 
 def stop_ppo_ray(argv: list[str], out: str, stop) -> tuple[int, str, int]:
