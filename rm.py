@@ -40,7 +40,7 @@ from transformers import AutoModelForSequenceClassification
 from common import checkpoint, data
 from common.args import UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
-                                    leave_distributed, load_model, load_tokenizer)
+                                    load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import sequence_rewards
 
@@ -270,7 +270,6 @@ def main(args: Args):
     logger.close()
     print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "
                       + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
-    leave_distributed()
 
 
 if __name__ == "__main__":

@@ -208,7 +208,8 @@ def run_main(main, args, saved=None) -> None:
     Ctrl-C and SIGTERM (a scheduler's stop) end it with one sentence too, exit code 130: "interrupted; the
     checkpoint of step 40 in DIR is intact. Rerun the same command to resume.", where `saved(args)` names what
     survives (e.g. checkpoint.saved_note). Every rank hits the same mistake, so only rank 0 prints it. Anything else
-    keeps its full traceback.
+    keeps its full traceback. A process in a torch.distributed group leaves through os._exit (_exit_if_distributed
+    says why).
     """
     if not sys.stderr.isatty():  # in a log file, the "Loading weights" bars' redraws are noise
         from transformers.utils import logging as transformers_logging
@@ -222,6 +223,7 @@ def run_main(main, args, saved=None) -> None:
     except KeyboardInterrupt:
         where = saved(args) if saved else None
         _stop(f"interrupted; {where}. Rerun the same command to resume." if where else "interrupted.", 130)
+    _exit_if_distributed(0)
 
 
 def _stop(message: str, exit_code: int) -> None:
@@ -239,4 +241,32 @@ def _stop(message: str, exit_code: int) -> None:
     if os.environ.get("RANK", "0") == "0":
         sys.stderr.write(f"error: {message}\n")  # one write: a line no other thread can split
         sys.stderr.flush()
+    _exit_if_distributed(exit_code)
     sys.exit(exit_code)
+
+
+def _exit_if_distributed(exit_code: int) -> None:
+    """End a process that is in a torch.distributed group (a trainer, even with one rank) with os._exit, once its
+    output is flushed; return in any other.
+
+    The interpreter's own exit is not safe there. Gloo has no shutdown: its worker threads live until the group is
+    freed, which DeepSpeed's engine delays to the interpreter's final garbage collection. A thread still releasing
+    a finished collective's tensors then needs the GIL, which a finalising interpreter no longer hands out, and the
+    C++ runtime aborts the process: exit code -6 ("terminate called without an active exception") after every
+    file was written, now and then, more often on a busy machine. multiprocessing ends its children the same way.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=exit_code)  # what its exit hook would have done
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()  # a Ray this process started would otherwise outlive it
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

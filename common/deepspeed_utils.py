@@ -66,14 +66,6 @@ def init_distributed() -> tuple[int, int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
 
 
-def leave_distributed() -> None:
-    """Destroy the process group at the end of a run. Left to the interpreter's exit, gloo's worker threads, which
-    may still hold the last collective's tensors, are torn down during finalisation, and the process now and then
-    aborts after its work is done ("terminate called without an active exception", exit code -6)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 def device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 

@@ -303,6 +303,37 @@ def test_a_deepspeed_op_build_lock_is_waited_on_aloud_and_a_stale_one_refused(tm
         wait_for_op_builds()
 
 
+IN_FLIGHT = """
+import sys
+import torch
+import torch.distributed as dist
+from common.args import UserError, run_main
+
+def main(outcome):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    held = dist.group.WORLD  # as DeepSpeed's engine holds its groups until the interpreter's last collection
+    out, x = torch.empty(100_000), torch.ones(100_000)
+    for _ in range(20_000):  # each with tensors of its own (views) that Python no longer holds
+        dist.all_gather([out[:]], x[:], async_op=True)
+    if outcome == "error":
+        raise UserError("the data ran out.")
+
+run_main(main, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("outcome,code", [("done", 0), ("error", 2)])
+def test_a_process_with_collectives_in_flight_ends_with_its_own_exit_code(outcome, code, tmp_path):
+    """A trainer's last collectives may still be finishing in gloo's threads when it ends. Left to the
+    interpreter's exit, this script was aborted by the C++ runtime (exit code -6) in each of 4 runs."""
+    script = tmp_path / "in_flight.py"
+    script.write_text(IN_FLIGHT)
+    result = subprocess.run([sys.executable, str(script), outcome], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == code, result.stderr[-2000:]
+    assert result.stderr.strip() == ("error: the data ran out." if code else ""), result.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------ slow: stopped mid-run
 def snapshot(folder: str) -> list[tuple[str, float]]:
     return sorted((os.path.relpath(os.path.join(d, f), folder), os.path.getmtime(os.path.join(d, f)))
