@@ -63,7 +63,28 @@ def init_distributed() -> tuple[int, int, int]:
         torch.cuda.set_device(local_rank)  # engine and zero.Init call set_device(LOCAL_RANK) themselves
     wait_for_op_builds()  # the CPU backend's shared-memory op is built on first use
     deepspeed.init_distributed()
+    unlink_shared_workspace()
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
+
+
+def unlink_shared_workspace() -> None:
+    """Take this rank's shared-memory workspace out of /dev/shm once every rank has mapped it.
+
+    On CPU, with all ranks on one node, DeepSpeed's communication op (deepspeed/ops/csrc/cpu/comm/shm.cpp) creates
+    a 70 MB POSIX shared-memory segment per rank, named after the user, MASTER_ADDR, MASTER_PORT and the rank, and
+    never unlinks it: each run left 70 MB of RAM per rank in /dev/shm until the next reboot, and a later run on the
+    same port opened a dead run's segment. A mapping outlives its name, so the op keeps working; the memory goes
+    back when the last rank exits.
+    """
+    if get_accelerator().device_name() != "cpu" or os.environ.get("LOCAL_SIZE") != os.environ.get("WORLD_SIZE"):
+        return  # the same on every rank, so every rank or none reaches the barrier
+    torch.distributed.barrier()  # each rank's init opened every other rank's segment: all are mapped now
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:  # a DeepSpeed that cleans up after itself, or names it otherwise
+        pass
 
 
 def device() -> torch.device:
