@@ -18,7 +18,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, run_script
+from conftest import ROOT, metrics, run_script
 
 from common.args import parse_args, run_main
 
@@ -455,29 +455,37 @@ def stop_ppo_ray(argv: list[str], out: str, stop) -> tuple[int, str, int]:
 
 
 @pytest.mark.slow
-def test_ppo_ray_stopped_by_a_dead_worker_or_sigterm_says_what_survives_and_resumes(tiny_model, task, tmp_path):
+def test_ppo_ray_stopped_by_a_dead_worker_engine_or_sigterm_says_what_survives_and_resumes(tiny_model, task, tmp_path):
     """A killed actor rank 1 would leave rank 0 in a collective until the process group's timeout (30 minutes);
-    SIGTERM met Ray's own handler, which aborted the driver. Both now end in one sentence, and the run resumes."""
+    SIGTERM met Ray's own handler, which aborted the driver. Each stop, a dead vLLM engine's too, now ends in one
+    sentence naming the checkpoint that survives, and each rerun of the same command resumes from it."""
     out = str(tmp_path / "ppo")
     argv = command("ppo_ray", tiny_model, task, out, "--advantage_estimator", "rloo", "--n_samples_per_prompt", "2",
                    "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "8",
                    "--actor_num_workers", "2", "--max_steps", "30", "--save_steps", "2")
     state = os.path.join(out, "checkpoints", "driver_state.json")
+    checkpoints = os.path.join(out, "checkpoints")
 
-    # this run's actor rank 1, and no other process
-    code, output, took = stop_ppo_ray(argv, out, lambda pid, placed: os.kill(placed["pids"]["actor"][1],
-                                                                              signal.SIGKILL))
-    errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
-    assert "a worker of the actor died" in errors[0] and "Rerun the same command to resume" in errors[0], errors[0]
-    assert f"checkpoint of step {json.load(open(state))['step']} " in errors[0], errors[0]
-    assert took < 120, f"the run took {took:.0f} s to stop"
+    def stopped_with(stop, code: int, words: str) -> int:
+        """Run until a new checkpoint, stop(pid, placement); check the one sentence; the step that survives."""
+        exit_code, output, took = stop_ppo_ray(argv, out, stop)
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert exit_code == code and len(errors) == 1 and "Traceback" not in output, output[-3000:]
+        saved = json.load(open(state))["step"]
+        assert words in errors[0] and f"checkpoint of step {saved} in {checkpoints} is intact" in errors[0], errors[0]
+        assert errors[0].endswith("Rerun the same command to resume."), errors[0]
+        assert took < 120, f"the run took {took:.0f} s to stop"
+        return saved
 
-    code, output, _ = stop_ppo_ray(argv, out, lambda pid, placed: os.kill(pid, signal.SIGTERM))
-    errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert code == 130 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
-    saved = json.load(open(state))["step"]
-    assert errors[0].startswith("error: interrupted at step ") and f"checkpoint of step {saved} " in errors[0]
+    # this run's processes, and no other on the machine
+    first = stopped_with(lambda pid, placed: os.kill(placed["pids"]["actor"][1], signal.SIGKILL), 2,
+                         "a worker of the actor died")
+    second = stopped_with(lambda pid, placed: os.kill(placed["vllm_pids"][0], signal.SIGKILL), 2,
+                          "vLLM engine died")
+    saved = stopped_with(lambda pid, placed: os.kill(pid, signal.SIGTERM), 130, "interrupted at step ")
+    assert first < second < saved
 
-    argv[argv.index("--max_steps") + 1] = str(saved + 1)
-    assert f"at step {saved}" in run_script("ppo_ray.py", argv).stdout
+    argv[argv.index("--max_steps") + 1] = str(saved + 1)  # the same command, but for how far it goes
+    assert f"resumed from {checkpoints} at step {saved}" in run_script("ppo_ray.py", argv).stdout
+    steps = [m["step"] for m in metrics(out) if "objective/scores" in m]
+    assert steps == list(range(1, saved + 2)), steps  # metrics continue; a killed step is not duplicated
