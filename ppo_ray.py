@@ -33,6 +33,8 @@ Implementation details, where they happen below:
   - policy ratio clipping (with DAPO's clip-higher and dual-clip as options) and value clipping (PPO), a choice of
     how token losses are averaged (--loss_agg), truncated importance sampling against vLLM's log-probs
     (--vllm_is_correction), optional entropy bonus and pretraining (ptx) loss;
+  - DAPO's batch shaping: dynamic sampling (--dynamic_sampling, in rollout()) keeps only prompts whose rewards
+    differ, and an overlong penalty or filter (--overlong_buffer_len, --overlong_filter);
   - reward normalisation with the mean/std rm.py stores, then clipping; a critic initialised from a reward model
     gives values on the same normalised scale; advantage whitening for gae and reinforce++ only (as OpenRLHF);
   - checkpoints hold every trained role, the data position and the KL controller; each role is saved first and
@@ -204,6 +206,13 @@ class Args:
     overlong_filter: bool = False
     """leave responses cut at --generate_max_len out of the loss (DAPO's overlong filtering): their truncated
     ending says nothing about how good the answer was"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the prompts whose --n_samples_per_prompt rewards are all equal (under a group
+    baseline their advantages are all zero: no learning signal) and sample further prompts until
+    --rollout_batch_size prompts with a spread remain"""
+    dynamic_sampling_max_rounds: int = 3
+    """--dynamic_sampling's sampling rounds per step at most; a batch still short after them is filled with dropped
+    prompts (logged as dynamic_sampling/filled)"""
     value_clip: float = 0.2
     """PPO value clip range"""
     init_kl_coef: float = 0.01
@@ -384,16 +393,31 @@ def score(args: Args, reward_models: list, reward_fn, batch: dict, prompts: list
     return rewards.combine_rewards(sources, weights).clamp(-args.reward_clip, args.reward_clip), metrics
 
 
+def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[list[dict]], batch: dict, tokenizer,
+                   reward_fn) -> tuple[torch.Tensor, dict]:
+    """The reward of each response (prompt-major, as build_batch lays them out), --overlong_buffer_len's penalty
+    included, and each reward source's mean."""
+    n = args.n_samples_per_prompt
+    responses = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in samples for s in group]
+    scores, metrics = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in prompts for _ in range(n)],
+                            responses, [p["label"] for p in prompts for _ in range(n)])
+    if args.overlong_buffer_len:
+        penalty = tricks.overlong_penalty(batch["action_mask"].sum(-1), args.generate_max_len,
+                                          args.overlong_buffer_len, args.overlong_penalty_factor)
+        scores, metrics["rewards/overlong_penalty"] = scores + penalty, penalty.mean()
+    return scores, metrics
+
+
 def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[list[dict]], tokenizer, reward_fn,
-                    kl_coef: float) -> tuple[dict, dict]:
+                    kl_coef: float, scored: tuple[torch.Tensor, dict] | None = None) -> tuple[dict, dict]:
     """What the PPO update needs to know about this step's responses, and metrics about them.
 
     `samples[i]` are vLLM's responses to `prompts[i]`. The experience holds build_batch's sequences and masks, and,
     all (batch, seq - 1) in the action_mask layout: the actor's log-probs as it was when sampling (`old_logprobs`),
     the reference model's, the critic's values, and from them and the rewards the advantages and returns. The
     actor, reference, critic and reward-model forwards run at the same time, each role on its own workers.
+    `scored`: the responses' score_rollouts, when the rollout already scored them (--dynamic_sampling).
     """
-    n = args.n_samples_per_prompt
     batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
     rows = len(batch["input_ids"])
     actor, ref, critic = roles["actor"], roles.get("ref"), roles.get("critic")
@@ -401,15 +425,10 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     actor_logprobs = actor.call_sharded("logprobs", shard(batch, len(actor), micro))
     ref_logprobs = ref.call_sharded("logprobs", shard(batch, len(ref), micro)) if ref else None
     critic_values = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
-    responses = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in samples for s in group]
-    scores, metrics = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in prompts for _ in range(n)],
-                            responses, [p["label"] for p in prompts for _ in range(n)])
+    scores, metrics = scored or score_rollouts(args, roles, prompts, samples, batch, tokenizer, reward_fn)
+    metrics = dict(metrics)
 
     lengths = batch["action_mask"].sum(-1)
-    if args.overlong_buffer_len:
-        penalty = tricks.overlong_penalty(lengths, args.generate_max_len,
-                                          args.overlong_buffer_len, args.overlong_penalty_factor)
-        scores, metrics["rewards/overlong_penalty"] = scores + penalty, penalty.mean()
     if args.overlong_filter:  # out of every loss and statistic: as if they had not been sampled
         truncated = torch.tensor([s["finish_reason"] == "length" for group in samples for s in group])
         batch["action_mask"] = batch["action_mask"] * ~truncated[:, None]
@@ -692,6 +711,13 @@ def check_args(args: Args) -> None:
     if not 0 <= args.overlong_buffer_len < args.generate_max_len:
         raise UserError(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
                         f"{args.generate_max_len} (a quarter of it is usual).")
+    if args.dynamic_sampling and args.advantage_estimator not in GROUPED:
+        raise UserError(f"--dynamic_sampling drops prompts whose responses all got the same reward, which only a "
+                        f"group baseline learns nothing from; use it with --advantage_estimator "
+                        f"{', '.join(GROUPED)}, not {args.advantage_estimator}.")
+    if args.dynamic_sampling_max_rounds < 1:
+        raise UserError(f"--dynamic_sampling_max_rounds {args.dynamic_sampling_max_rounds} leaves nothing to train "
+                        f"on; give 1 or more (3 is usual).")
     if args.vllm_is_cap < 1:
         raise UserError(f"--vllm_is_cap {args.vllm_is_cap} would down-weight tokens both policies agree on; give a "
                         f"cap of 1 or more (2 is usual).")
@@ -832,6 +858,49 @@ def step_prompts(args: Args, prompts: list[dict], step: int) -> list[dict]:
     random.Random(args.seed * 100_003 + step // per_pass).shuffle(order)
     start = (step % per_pass) * args.rollout_batch_size
     return [prompts[order[(start + i) % len(prompts)]] for i in range(args.rollout_batch_size)]
+
+
+def further_prompts(args: Args, prompts: list[dict], step: int, round_: int) -> list[dict]:
+    """--dynamic_sampling's extra draw of --rollout_batch_size prompts for a step's later rounds: fixed by
+    (--seed, step, round), so a resumed run draws what the killed one would have."""
+    return random.Random(f"{args.seed}-{step}-{round_}").choices(prompts, k=args.rollout_batch_size)
+
+
+def rollout(args: Args, roles: dict, prompts: list[dict], step: int, tokenizer,
+            reward_fn) -> tuple[list[dict], list[list[dict]], tuple[torch.Tensor, dict] | None]:
+    """This step's prompts and vLLM's responses to them; with --dynamic_sampling also their scores and metrics.
+
+    DAPO's dynamic sampling (Yu et al. 2025): a prompt whose responses all got the same reward has zero advantages
+    under a group baseline and only dilutes the batch, so it is dropped and further prompts are sampled, a batch at a
+    time, until --rollout_batch_size prompts with a spread are found or --dynamic_sampling_max_rounds is reached;
+    the dropped prompts then fill what is missing. The rewards/* metrics are those of the step's own prompts, as
+    without it; objective/scores is the trained batch's.
+    """
+    n, size = args.n_samples_per_prompt, args.rollout_batch_size
+    picked = step_prompts(args, prompts, step)
+    samples = sample(roles, [p["ids"] for p in picked], n, args.temperature, args.top_p, args.generate_max_len)
+    if not args.dynamic_sampling:
+        return picked, samples, None
+    kept, dropped, first = [], [], None
+    for round_ in range(args.dynamic_sampling_max_rounds):
+        if round_:
+            picked = further_prompts(args, prompts, step, round_)
+            samples = sample(roles, [p["ids"] for p in picked], n, args.temperature, args.top_p,
+                             args.generate_max_len)
+        batch = build_batch([p["ids"] for p in picked], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        scores, metrics = score_rollouts(args, roles, picked, samples, batch, tokenizer, reward_fn)
+        first = metrics if first is None else first
+        spread = tricks.groups_with_a_spread(scores, n)
+        for i, group in enumerate(zip(picked, samples, scores.view(-1, n))):
+            (kept if spread[i] else dropped).append(group)
+        if len(kept) >= size:
+            break
+    drawn = (round_ + 1) * size
+    groups = (kept + dropped)[:size]  # those with a spread first
+    picked, samples, scores = [g[0] for g in groups], [g[1] for g in groups], torch.cat([g[2] for g in groups])
+    metrics = {**first, "dynamic_sampling/dropped": len(dropped) / drawn, "dynamic_sampling/rounds": round_ + 1,
+               "dynamic_sampling/filled": max(0, size - len(kept)) / size}
+    return picked, samples, (scores, metrics)
 
 
 def sample(roles: dict, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
@@ -985,12 +1054,10 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
         for step in range(start_step, args.max_steps):
             timings = {}
             with timed(timings, "time/generate"):  # 1. rollouts: vLLM samples responses to this step's prompts
-                picked = step_prompts(args, prompts, step)
-                samples = sample(roles, [p["ids"] for p in picked], args.n_samples_per_prompt, args.temperature,
-                                 args.top_p, args.generate_max_len)
+                picked, samples, scored = rollout(args, roles, prompts, step, tokenizer, reward_fn)
             with timed(timings, "time/make_experience"):  # 2. log-probs, values, rewards -> advantages
                 experience, metrics = make_experience(args, roles, picked, samples, tokenizer, reward_fn,
-                                                      kl_ctl.value)
+                                                      kl_ctl.value, scored)
             with timed(timings, "time/train"):  # 3. the PPO update of the actor and the critic
                 metrics.update(train_step(roles, experience, kl_ctl.value, step, args.micro_train_batch_size))
             with timed(timings, "time/weight_sync"):  # 4. the new weights to vLLM

@@ -92,6 +92,28 @@ def test_ppo_with_a_critic_runs_across_two_ray_nodes(sft_model, task, tmp_path):
     assert os.path.exists(os.path.join(out, "checkpoints", "critic", "step_2"))
 
 
+@pytest.mark.slow
+def test_dynamic_sampling_trains_only_on_prompts_whose_rewards_differ(sft_model, task, tmp_path):
+    """--dynamic_sampling with GRPO on the SFT model, which gets most prompts wrong in all 4 samples: those are
+    dropped, further prompts are sampled, and a batch that filled up within the rounds holds only prompts with 1 to
+    3 right answers of 4, so its mean reward (0/1 rule) lies in [0.25, 0.75]."""
+    out = str(tmp_path / "ppo")
+    run_script("ppo_ray.py", ppo_args(sft_model, task, out, "--reward_fn", REWARD_FN, "--advantage_estimator", "grpo",
+                                      "--n_samples_per_prompt", "4", "--rollout_batch_size", "8",
+                                      "--train_batch_size", "32", "--micro_train_batch_size", "16",
+                                      "--dynamic_sampling", "--dynamic_sampling_max_rounds", "4", "--max_steps", "3",
+                                      "--seed", str(SEED)))
+    log = [m for m in metrics(out) if "dynamic_sampling/dropped" in m]
+    assert [m["step"] for m in log] == [1, 2, 3]
+    for m in log:
+        assert m["dynamic_sampling/dropped"] > 0 and m["dynamic_sampling/rounds"] > 1, m  # more prompts sampled
+        if m["dynamic_sampling/filled"] == 0:
+            assert 0.25 <= m["objective/scores"] <= 0.75, m
+        else:  # filled with dropped prompts only when the rounds ran out
+            assert m["dynamic_sampling/rounds"] == 4, m
+    assert any(m["dynamic_sampling/filled"] == 0 for m in log), log
+
+
 def bad_inputs(sft_model, task, tmp):
     """The fault a run meets only once Ray is up. test_bad_inputs.py has the ones found before; a reward function
     that raises is test_rewards.py's, and a worker or engine that dies mid-run is test_bad_inputs.py's too."""

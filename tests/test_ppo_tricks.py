@@ -14,8 +14,8 @@ import ppo_ray
 from common import ppo_tricks
 from common.args import UserError
 from common.ppo_tricks import (AdaptiveKLController, FixedKLController, aggregate, compute_gae, compute_returns,
-                               compute_token_rewards, group_advantages, kl_penalty, masked_mean, masked_var,
-                               masked_whiten, overlong_penalty, place_reward_on_eos)
+                               compute_token_rewards, group_advantages, groups_with_a_spread, kl_penalty, masked_mean,
+                               masked_var, masked_whiten, overlong_penalty, place_reward_on_eos)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -452,6 +452,9 @@ def test_truncated_importance_weights_worked_by_hand():
     ({"vllm_is_cap": 0.5}, "--vllm_is_cap 0.5 would down-weight"),
     ({"advantage_estimator": "reinforce++-baseline"}, "compares samples of the same prompt"),
     ({"overlong_buffer_len": 64}, "--overlong_buffer_len 64 must be below --generate_max_len 64"),
+    ({"dynamic_sampling": True}, "with --advantage_estimator grpo, dr_grpo, rloo, reinforce++-baseline, not gae"),
+    ({"dynamic_sampling": True, "dynamic_sampling_max_rounds": 0, "advantage_estimator": "grpo",
+      "n_samples_per_prompt": 2}, "--dynamic_sampling_max_rounds 0 leaves nothing to train on"),
 ])
 def test_new_loss_flags_that_cannot_work_are_refused(flags, words):
     with pytest.raises(UserError, match=re.escape(words)):
@@ -463,3 +466,14 @@ def test_overlong_penalty_worked_by_hand():
     lengths = torch.tensor([3, 12, 13, 15, 16])
     assert overlong_penalty(lengths, 16, 4, 1.0).tolist() == [0.0, 0.0, -0.25, -0.75, -1.0]
     assert overlong_penalty(lengths, 16, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.375, -0.5]
+
+
+def test_groups_with_a_spread_worked_by_hand():
+    """Three prompts of three samples: all wrong, mixed, all right (with a float sum that is right within 1e-6)."""
+    scores = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0 + 1e-8])
+    assert groups_with_a_spread(scores, 3).tolist() == [False, True, False]
+    assert groups_with_a_spread(scores, 1).tolist() == [False] * 9  # one sample has no spread
+    # each of them is a group whose advantages are all zero under every group baseline
+    for kind in ("grpo", "mean", "rloo"):
+        zero = group_advantages(scores, 3, kind).view(3, 3).abs().amax(dim=1) < 1e-5
+        assert zero.tolist() == [True, False, True], kind
