@@ -195,8 +195,13 @@ def main(args: Args):
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
     launcher_rank = int(os.environ.get("RANK", "0"))
-    gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size,
-                                int(os.environ.get("WORLD_SIZE", 1)))
+    launcher_world_size = int(os.environ.get("WORLD_SIZE", 1))
+    gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size, launcher_world_size)
+    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+    # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
+    settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
+                "the number of ranks": launcher_world_size}
+    checkpoint.check_resume(ckpt_dir, settings)
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
     if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
@@ -219,6 +224,7 @@ def main(args: Args):
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
 
     rank, world_size, local_rank = init_distributed()
+    settings["the number of ranks"] = world_size  # as formed: an MPI launch may set no WORLD_SIZE
     torch.manual_seed(args.seed)
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)
@@ -230,9 +236,6 @@ def main(args: Args):
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
     ref_engine = init_eval_engine(load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
-    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
-    # what fixes the data order and the ZeRO partitioning: a resumed run must match them
-    settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed, "the number of ranks": world_size}
     state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
     start_step = state["step"]
     if start_step:

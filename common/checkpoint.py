@@ -193,6 +193,15 @@ def check_settings(saved: dict | None, settings: dict, ckpt_dir: str) -> None:
                         f"{saved[k]} to resume it, or give another --output_dir (or --ckpt_dir) to start anew.")
 
 
+def check_resume(ckpt_dir: str, settings: dict, step: int | None = None) -> None:
+    """check_settings against the settings.json of the checkpoint a run in ckpt_dir would resume (the latest, or
+    that of `step`); nothing to check when there is none. Cheap: the trainers call it before loading a model."""
+    saved = os.path.join(ckpt_dir, SETTINGS)
+    if os.path.exists(saved) and (step is not None or os.path.exists(os.path.join(ckpt_dir, LATEST))):
+        with open(saved) as f:
+            check_settings(json.load(f), settings, ckpt_dir)
+
+
 def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict, rank: int,
                      keep_last: int = 2, settings: dict | None = None) -> None:
     """Save every engine's DeepSpeed state + client_state + RNG as ckpt_dir/step_{step}, atomically. Collective.
@@ -275,10 +284,8 @@ def load_train_state(engines: dict, ckpt_dir: str, rank: int, step: int | None =
     """Restore a checkpoint (the latest, or that of `step`) into the engines; return its client_state, or None.
     With `settings`, first refuse one saved with other settings (check_settings)."""
     latest = os.path.join(ckpt_dir, LATEST)
-    if settings is not None and os.path.exists(os.path.join(ckpt_dir, SETTINGS)) and (
-            step is not None or os.path.exists(latest)):
-        with open(os.path.join(ckpt_dir, SETTINGS)) as f:
-            check_settings(json.load(f), settings, ckpt_dir)
+    if settings is not None:
+        check_resume(ckpt_dir, settings, step)
     if step is not None:
         tag = f"step_{step}"
     elif not os.path.exists(latest):

@@ -255,6 +255,34 @@ def test_ppo_ray_refuses_to_resume_a_checkpoint_of_other_settings(tiny_model, ta
     assert state.read_text() == before
 
 
+@pytest.mark.parametrize("script", TRAINERS)
+@pytest.mark.parametrize("flag,value,saved", [("--train_batch_size", 4, 8), ("--seed", 1, 42),
+                                              ("the number of ranks", None, 2)])
+def test_a_trainer_refuses_to_resume_a_checkpoint_of_other_settings_before_loading(script, flag, value, saved,
+                                                                                   tiny_model, task, tmp_path,
+                                                                                   capsys, monkeypatch):
+    """Another batch size or seed would train on other samples from the saved step; another number of ranks would
+    fail deep inside DeepSpeed. Refused before the model loads (it took a model load, and on a large model
+    minutes), the checkpoint left as it was."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    settings = out / "checkpoints" / "settings.json"
+    settings.write_text(json.dumps({"--train_batch_size": 8, "--seed": 42, "the number of ranks": 1, flag: saved}))
+    (out / "checkpoints" / "latest").write_text("step_4")
+    argv = command(script, tiny_model, task, str(out), "--train_batch_size", "8", "--micro_train_batch_size", "4",
+                   "--seed", "42", *([flag, str(value)] if value is not None else []))
+    def too_late():
+        raise AssertionError("refused only once the distributed world formed and the model was about to load")
+
+    monkeypatch.setattr(importlib.import_module(script), "init_distributed", too_late)
+    code, stderr = run_in_process(script, argv, capsys)
+    assert code == 2 and stderr.count("error: ") == 1 and "Traceback" not in stderr, stderr
+    shown = value if value is not None else 1
+    assert f"holds a run made with {flag} {saved}, not {shown}; rerun with {flag} {saved} to resume it" in stderr
+    assert sorted(os.listdir(out)) == ["checkpoints"] and sorted(os.listdir(out / "checkpoints")) == [
+        "latest", "settings.json"]
+
+
 def test_rejection_sampling_defaults_its_context_to_the_models(short_model, task, tmp_path, capsys):
     """The engines' context defaults to what the model takes (it was 2048 whatever the model, and vLLM refused a
     32-position model with a 30-line traceback); a response as long as the context leaves no room for a prompt."""
@@ -341,11 +369,10 @@ def snapshot(folder: str) -> list[tuple[str, float]]:
 
 
 @pytest.mark.slow
-def test_a_refused_resume_and_a_disk_that_fills_while_saving_leave_the_last_checkpoint_whole(tiny_model, task,
-                                                                                           tmp_path):
-    """Resuming with another batch size is refused before anything is written. A disk that fills while step 4 is
-    saved (simulated by a file-size limit the checkpoint's largest file exceeds: the kernel then fails the write
-    as it does on a full disk) stops the run with one sentence; step 2 stays the latest, and the rerun resumes it."""
+def test_a_disk_that_fills_while_saving_leaves_the_last_checkpoint_whole(tiny_model, task, tmp_path):
+    """A disk that fills while step 4 is saved (simulated by a file-size limit the checkpoint's largest file
+    exceeds: the kernel then fails the write as it does on a full disk) stops the run with one sentence; step 2
+    stays the latest, and the rerun resumes it."""
     out = str(tmp_path / "sft")
     argv = command("sft", tiny_model, task, out, "--train_batch_size", "8", "--micro_train_batch_size", "8",
                    "--max_steps", "2", "--save_steps", "2")
@@ -353,11 +380,6 @@ def test_a_refused_resume_and_a_disk_that_fills_while_saving_leave_the_last_chec
     checkpoints = os.path.join(out, "checkpoints")
     before = snapshot(checkpoints)
     argv[argv.index("--max_steps") + 1] = "4"
-    result = run_script("sft.py", argv + ["--train_batch_size", "4", "--micro_train_batch_size", "4"], check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert "holds a run made with --train_batch_size 8, not 4; rerun with --train_batch_size 8" in errors[0]
-    assert snapshot(checkpoints) == before
 
     largest = max(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(checkpoints) for f in files)
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (largest // 2, largest // 2))  # noqa: E731
