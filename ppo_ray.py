@@ -712,8 +712,8 @@ def check_args(args: Args) -> None:
         raise UserError(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
                         f"{args.generate_max_len} (a quarter of it is usual).")
     if args.dynamic_sampling and args.advantage_estimator not in GROUPED:
-        raise UserError(f"--dynamic_sampling drops prompts whose responses all got the same reward, which only a "
-                        f"group baseline learns nothing from; use it with --advantage_estimator "
+        raise UserError(f"--dynamic_sampling drops prompts whose responses all got the same reward, which teach "
+                        f"nothing only under a group baseline; use it with --advantage_estimator "
                         f"{', '.join(GROUPED)}, not {args.advantage_estimator}.")
     if args.dynamic_sampling_max_rounds < 1:
         raise UserError(f"--dynamic_sampling_max_rounds {args.dynamic_sampling_max_rounds} leaves nothing to train "
