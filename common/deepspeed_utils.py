@@ -73,7 +73,7 @@ def unlink_shared_workspace() -> None:
     On CPU, with all ranks on one node, DeepSpeed's communication op (deepspeed/ops/csrc/cpu/comm/shm.cpp) creates
     a 70 MB POSIX shared-memory segment per rank, named after the user, MASTER_ADDR, MASTER_PORT and the rank, and
     never unlinks it: each run left 70 MB of RAM per rank in /dev/shm until the next reboot, and a later run on the
-    same port opened a dead run's segment. A mapping outlives its name, so the op keeps working; the memory goes
+    same port would open a dead run's segment. A mapping outlives its name, so the op keeps working; the memory goes
     back when the last rank exits.
     """
     if get_accelerator().device_name() != "cpu" or os.environ.get("LOCAL_SIZE") != os.environ.get("WORLD_SIZE"):
