@@ -416,7 +416,8 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     all (batch, seq - 1) in the action_mask layout: the actor's log-probs as it was when sampling (`old_logprobs`),
     the reference model's, the critic's values, and from them and the rewards the advantages and returns. The
     actor, reference, critic and reward-model forwards run at the same time, each role on its own workers.
-    `scored`: the responses' score_rollouts, when the rollout already scored them (--dynamic_sampling).
+    `scored`: the responses' score_rollouts, when the rollout already scored them (--dynamic_sampling); the reward
+    models then ran before the other roles instead of with them.
     """
     batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
     rows = len(batch["input_ids"])
