@@ -43,6 +43,7 @@ bench: setup
 	$(PY) bench/bench_preference.py
 	$(PY) bench/bench_weight_sync.py
 	$(PY) bench/bench_ppo.py
+	$(PY) bench/bench_async.py
 
 lint: setup
 	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt

@@ -30,6 +30,9 @@ Implementation details, where they happen below:
     baseline; Ahmadian et al. 2024);
   - old log-probs are recomputed by the trainer, not taken from vLLM; the mean absolute difference between the two
     is logged as `vllm/logprob_diff` and shows at once when the weight sync is wrong;
+  - --async_rollouts: vLLM samples the next step during this step's update (in train()), from the policy one update
+    old; decoupled PPO (Hilton et al. 2021) clips the ratio against the trainer's log-probs as usual and weighs
+    each token by the truncated ratio of those to vLLM's, the policy that sampled;
   - policy ratio clipping (with DAPO's clip-higher and dual-clip as options) and value clipping (PPO), a choice of
     how token losses are averaged (--loss_agg), truncated importance sampling against vLLM's log-probs
     (--vllm_is_correction), optional entropy bonus and pretraining (ptx) loss;
@@ -41,6 +44,7 @@ Implementation details, where they happen below:
     the driver's state file, written last, commits the step, so a run killed at any moment resumes cleanly.
 """
 
+import functools
 import json
 import os
 import random
@@ -52,7 +56,7 @@ import torch
 
 from transformers import AutoModelForSequenceClassification
 
-from common import memory_plan, rewards
+from common import memory_plan, multi_turn, rewards
 from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir,
                          parse_args, run_main, stop_on_sigterm)
@@ -65,7 +69,8 @@ from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, use_gpus, wait)
 from common.modeling import entropy_from_logits, sequence_rewards, token_logprobs, token_values
-from common.vllm_engine import COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, create_vllm_engines, generate, wait_for
+from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
+                                start_generate, wait_for)
 from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
@@ -85,6 +90,11 @@ class Args:
     """a rule-based reward, 'path.py:function', called as function(prompts, responses, labels) -> list of floats"""
     remote_rm_url: str | None = None
     """a reward model served over HTTP: POST {prompts, responses, labels} -> {rewards}"""
+    env_fn: str | None = None
+    """a multi-turn environment instead of the reward sources, 'path.py:make_env' (common/multi_turn.py says what
+    make_env returns): the policy and it take turns, and its rewards score the episode"""
+    max_turns: int = 4
+    """the policy's turns per --env_fn episode at most"""
     critic_pretrain: str | None = None
     """the critic's starting point (default: the first reward model, else --pretrain with a new value head)"""
     # --- data
@@ -213,6 +223,10 @@ class Args:
     dynamic_sampling_max_rounds: int = 3
     """--dynamic_sampling's sampling rounds per step at most; a batch still short after them is filled with dropped
     prompts (logged as dynamic_sampling/filled)"""
+    async_rollouts: bool = False
+    """generate the next step's responses while this step trains: one step of policy lag, corrected as decoupled PPO
+    does (the ratio is clipped against the actor's log-probs, and each token weighed by --vllm_is_correction's
+    truncated ratio to the policy that sampled it, one update old)"""
     value_clip: float = 0.2
     """PPO value clip range"""
     init_kl_coef: float = 0.01
@@ -297,8 +311,9 @@ def loss_agg(args: Args) -> str:
 
 def truncated_is_weights(old_logprobs, vllm_logprobs, mask, cap):
     """Truncated importance sampling (Yao et al. 2025): vLLM sampled from pi_vllm, the loss assumes pi_old (the
-    trainer's log-probs of the same weights); weigh each token by min(pi_old / pi_vllm, cap). Returns the weights
-    (batch, seq), 0 outside the mask, and the fraction of tokens where the cap binds."""
+    trainer's log-probs; of the same weights, or with --async_rollouts of the weights one update newer); weigh each
+    token by min(pi_old / pi_vllm, cap). Returns the weights (batch, seq), 0 outside the mask, and the fraction of
+    tokens where the cap binds."""
     ratio = torch.where(mask.bool(), old_logprobs - vllm_logprobs, 0.0).exp()
     return torch.where(mask.bool(), ratio.clamp(max=cap), 0.0), tricks.masked_mean((ratio > cap).float(), mask)
 
@@ -343,14 +358,18 @@ def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], eos_id: 
     """Right-padded tensors for prompt + response sequences; the masks say which tokens were generated.
 
     action_mask (batch, seq - 1) is 1 where the next token is a response token, the layout every per-token tensor
-    (log-probs, values, rewards, advantages) shares. rm_input_ids ends every sequence with EOS, as rm.py trained on.
+    (log-probs, values, rewards, advantages) shares; in a multi-turn episode (--env_fn) the environment's tokens are
+    not, and the episode may start from a prompt of its own. rm_input_ids ends every sequence with EOS, as rm.py
+    trained on.
     """
-    rows, prompt_lens, vllm_logprobs = [], [], []
+    rows, prompt_lens, vllm_logprobs, policy_masks = [], [], [], []
     for ids, outs in zip(prompt_ids, samples):
         for out in outs:
-            rows.append(ids + out["token_ids"])
-            prompt_lens.append(len(ids))
+            start = out.get("prompt_ids", ids)
+            rows.append(start + out["token_ids"])
+            prompt_lens.append(len(start))
             vllm_logprobs.append(out["logprobs"] or [])
+            policy_masks.append(out.get("env_mask", [1] * len(out["token_ids"])))
     length = max(map(len, rows))
     batch_size = len(rows)
     input_ids = torch.full((batch_size, length), pad_id)  # (batch, seq)
@@ -362,7 +381,7 @@ def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], eos_id: 
     for i, (row, p) in enumerate(zip(rows, prompt_lens)):
         input_ids[i, : len(row)] = torch.tensor(row)
         attention_mask[i, : len(row)] = 1
-        action_mask[i, p - 1: len(row) - 1] = 1
+        action_mask[i, p - 1: len(row) - 1] = torch.tensor(policy_masks[i], dtype=action_mask.dtype)
         vllm_lp[i, p - 1: p - 1 + len(vllm_logprobs[i])] = torch.tensor(vllm_logprobs[i])
         rm_row = row if row[-1] == eos_id else row + [eos_id]
         rm_input_ids[i, : len(rm_row)] = torch.tensor(rm_row)
@@ -393,14 +412,26 @@ def score(args: Args, reward_models: list, reward_fn, batch: dict, prompts: list
     return rewards.combine_rewards(sources, weights).clamp(-args.reward_clip, args.reward_clip), metrics
 
 
+def episode_scores(args: Args, samples: list[list[dict]]) -> tuple[torch.Tensor, dict]:
+    """--env_fn: each episode's summed reward, clipped to --reward_clip, and the mean reward and number of turns."""
+    episodes = [s for group in samples for s in group]
+    scores = torch.tensor([e["reward"] for e in episodes], dtype=torch.float)
+    return scores.clamp(-args.reward_clip, args.reward_clip), {
+        "rewards/env": scores.mean(), "env/turns": sum(e["turns"] for e in episodes) / len(episodes)}
+
+
 def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[list[dict]], batch: dict, tokenizer,
                    reward_fn) -> tuple[torch.Tensor, dict]:
     """The reward of each response (prompt-major, as build_batch lays them out), --overlong_buffer_len's penalty
     included, and each reward source's mean."""
     n = args.n_samples_per_prompt
-    responses = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in samples for s in group]
-    scores, metrics = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in prompts for _ in range(n)],
-                            responses, [p["label"] for p in prompts for _ in range(n)])
+    if args.env_fn:  # the episodes' summed rewards
+        scores, metrics = episode_scores(args, samples)
+    else:
+        responses = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in samples for s in group]
+        scores, metrics = score(args, roles["rewards"], reward_fn, batch,
+                                [p["prompt"] for p in prompts for _ in range(n)], responses,
+                                [p["label"] for p in prompts for _ in range(n)])
     if args.overlong_buffer_len:
         penalty = tricks.overlong_penalty(batch["action_mask"].sum(-1), args.generate_max_len,
                                           args.overlong_buffer_len, args.overlong_penalty_factor)
@@ -441,7 +472,7 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)
     experience = {**batch, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "values": values,
                   "advantages": advantages, "returns": returns}
-    if args.vllm_is_correction:
+    if args.vllm_is_correction or args.async_rollouts:
         experience["is_weights"], metrics["vllm/is_capped"] = truncated_is_weights(
             old_logprobs, batch["vllm_logprobs"], mask, args.vllm_is_cap)
     metrics.update({
@@ -696,9 +727,24 @@ def load_prompts(args, tokenizer, source, split_name) -> list[dict]:
     return prompts
 
 
+# Options --async_rollouts cannot overlap generation with training under, and why.
+ASYNC_CLASHES = {
+    "colocate_all": "the engines sleep while the models train on the same GPUs, so nothing could generate meanwhile",
+    "dynamic_sampling": "its later rounds need the first round's rewards before the step can train",
+    "env_fn": "its episodes alternate with the environment a turn at a time, on the driver",
+}
+
+
 def check_args(args: Args) -> None:
     """Catch flag mistakes before any worker starts."""
-    rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
+    if args.env_fn:
+        others = [flag for flag in ("reward_pretrain", "reward_fn", "remote_rm_url") if getattr(args, flag)]
+        if others:
+            raise UserError(f"--env_fn's rewards score the episodes; leave out --{others[0]}, or --env_fn.")
+        if args.max_turns < 1:
+            raise UserError(f"--max_turns {args.max_turns} gives the policy no turn; give 1 or more.")
+    else:
+        rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
     if args.advantage_estimator in GROUPED and args.n_samples_per_prompt < 2:
         raise UserError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt; "
                         f"set --n_samples_per_prompt to 2 or more.")
@@ -719,6 +765,9 @@ def check_args(args: Args) -> None:
     if args.dynamic_sampling_max_rounds < 1:
         raise UserError(f"--dynamic_sampling_max_rounds {args.dynamic_sampling_max_rounds} leaves nothing to train "
                         f"on; give 1 or more (3 is usual).")
+    for flag, why in ASYNC_CLASHES.items():
+        if args.async_rollouts and getattr(args, flag):
+            raise UserError(f"--async_rollouts cannot be used with --{flag}: {why}; leave out one of the two.")
     if args.vllm_is_cap < 1:
         raise UserError(f"--vllm_is_cap {args.vllm_is_cap} would down-weight tokens both policies agree on; give a "
                         f"cap of 1 or more (2 is usual).")
@@ -879,15 +928,14 @@ def rollout(args: Args, roles: dict, prompts: list[dict], step: int, tokenizer,
     """
     n, size = args.n_samples_per_prompt, args.rollout_batch_size
     picked = step_prompts(args, prompts, step)
-    samples = sample(roles, [p["ids"] for p in picked], n, args.temperature, args.top_p, args.generate_max_len)
+    samples = respond(args, roles, picked, n, args.temperature, tokenizer)
     if not args.dynamic_sampling:
         return picked, samples, None
     kept, dropped, first = [], [], None
     for round_ in range(args.dynamic_sampling_max_rounds):
         if round_:
             picked = further_prompts(args, prompts, step, round_)
-            samples = sample(roles, [p["ids"] for p in picked], n, args.temperature, args.top_p,
-                             args.generate_max_len)
+            samples = respond(args, roles, picked, n, args.temperature, tokenizer)
         batch = build_batch([p["ids"] for p in picked], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
         scores, metrics = score_rollouts(args, roles, picked, samples, batch, tokenizer, reward_fn)
         first = metrics if first is None else first
@@ -902,6 +950,35 @@ def rollout(args: Args, roles: dict, prompts: list[dict], step: int, tokenizer,
     metrics = {**first, "dynamic_sampling/dropped": len(dropped) / drawn, "dynamic_sampling/rounds": round_ + 1,
                "dynamic_sampling/filled": max(0, size - len(kept)) / size}
     return picked, samples, (scores, metrics)
+
+
+def start_rollout(args: Args, roles: dict, prompts: list[dict], step: int) -> tuple[list[dict], list]:
+    """--async_rollouts: this step's prompts, and the engines' responses to them under way (`collect` them)."""
+    picked = step_prompts(args, prompts, step)
+    return picked, start_generate(roles["engines"], [p["ids"] for p in picked], args.n_samples_per_prompt,
+                                  args.temperature, args.top_p, args.generate_max_len)
+
+
+@functools.cache
+def env_factory(spec: str):
+    """--env_fn's make_env, loaded once."""
+    return rewards.load_reward_fn(spec, "--env_fn")
+
+
+def respond(args: Args, roles: dict, prompts: list[dict], n: int, temperature: float, tokenizer) -> list[list[dict]]:
+    """vLLM's n responses to each prompt; with --env_fn, n multi-turn episodes of each (common/multi_turn.py)."""
+    if not args.env_fn:
+        return sample(roles, [p["ids"] for p in prompts], n, temperature, args.top_p, args.generate_max_len)
+
+    def one_turn(ids: list[list[int]], limits: list[int]) -> list[dict]:
+        return [s[0] for s in generate(roles["engines"], ids, 1, temperature, args.top_p, limits)]
+
+    roles["engine_sleep"].before_generate()
+    samples = multi_turn.run_episodes(one_turn, env_factory(args.env_fn), tokenizer, prompts, n, args.max_turns,
+                                      args.generate_max_len, args.apply_chat_template, args.input_template,
+                                      args.prompt_max_len)
+    roles["engine_sleep"].after_generate()
+    return samples
 
 
 def sample(roles: dict, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
@@ -937,11 +1014,15 @@ def evaluate(args: Args, roles: dict, tokenizer, reward_fn, eval_prompts: list[d
     """Greedy responses to the held-out prompts, scored like the rollouts; the latest are kept in
     eval_samples.jsonl, to read."""
     prompt_ids = [p["ids"] for p in eval_prompts]
-    samples = sample(roles, prompt_ids, 1, 0.0, 1.0, args.generate_max_len)
+    samples = respond(args, roles, eval_prompts, 1, 0.0, tokenizer)
     batch = build_batch(prompt_ids, samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    texts = [tokenizer.decode(s[0]["token_ids"], skip_special_tokens=True) for s in samples]
-    total, parts = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in eval_prompts], texts,
-                         [p["label"] for p in eval_prompts])
+    # an episode's text shows the turns' markers, which tell the policy's turns from the environment's
+    texts = [tokenizer.decode(s[0]["token_ids"], skip_special_tokens=not args.env_fn) for s in samples]
+    if args.env_fn:
+        total, parts = episode_scores(args, samples)
+    else:
+        total, parts = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in eval_prompts], texts,
+                             [p["label"] for p in eval_prompts])
     with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w") as f:
         for p, text, reward in zip(eval_prompts, texts, total.tolist()):
             f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")
@@ -1051,23 +1132,47 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
     logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
     bar = progress(args.max_steps, 0, "ppo", initial=start_step)
+    engines_at = start_step  # the engines hold the policy after this many steps
+    ahead = start_rollout(args, roles, prompts, start_step) if args.async_rollouts else None
+
+    def sync_engines(to_step: int) -> dict:
+        """The actor's weights after `to_step` steps to vLLM, once a generation under way has finished."""
+        nonlocal engines_at
+        if engines_at == to_step:
+            return {}
+        if ahead:
+            collect(roles["engines"], ahead[1])
+        engines_at = to_step
+        return sync_weights(roles)
+
     try:
         for step in range(start_step, args.max_steps):
             timings = {}
             with timed(timings, "time/generate"):  # 1. rollouts: vLLM samples responses to this step's prompts
-                picked, samples, scored = rollout(args, roles, prompts, step, tokenizer, reward_fn)
+                if args.async_rollouts:  # sampled while the last step trained, by the policy before that update
+                    picked, samples, scored = ahead[0], collect(roles["engines"], ahead[1]), None
+                else:
+                    picked, samples, scored = rollout(args, roles, prompts, step, tokenizer, reward_fn)
+            if args.async_rollouts:  # the engines are idle: they take this step's policy and sample the next step
+                with timed(timings, "time/weight_sync"):  # while this one trains
+                    synced = sync_engines(step)
+                ahead = start_rollout(args, roles, prompts, step + 1) if step + 1 < args.max_steps else None
             with timed(timings, "time/make_experience"):  # 2. log-probs, values, rewards -> advantages
                 experience, metrics = make_experience(args, roles, picked, samples, tokenizer, reward_fn,
                                                       kl_ctl.value, scored)
             with timed(timings, "time/train"):  # 3. the PPO update of the actor and the critic
                 metrics.update(train_step(roles, experience, kl_ctl.value, step, args.micro_train_batch_size))
-            with timed(timings, "time/weight_sync"):  # 4. the new weights to vLLM
-                metrics.update(sync_weights(roles))
+            if not args.async_rollouts:
+                with timed(timings, "time/weight_sync"):  # 4. the new weights to vLLM
+                    synced = sync_engines(step + 1)
+            metrics.update(synced)
 
             kl_ctl.update(metrics["objective/kl"].item(), len(experience["input_ids"]))
-            metrics.update({"objective/kl_coef": kl_ctl.value, **timings,
-                            "perf/rollout_tokens_per_sec": experience["action_mask"].sum() / timings["time/generate"]})
+            metrics.update({"objective/kl_coef": kl_ctl.value, **timings})
+            if not args.async_rollouts:  # (asynchronous generation is timed by no one: it overlaps the update)
+                metrics["perf/rollout_tokens_per_sec"] = experience["action_mask"].sum() / timings["time/generate"]
             if eval_prompts and args.eval_steps and (step + 1) % args.eval_steps == 0:
+                metrics.update(sync_engines(step + 1))  # --async_rollouts: then step + 2 has nothing to sync
                 metrics.update(evaluate(args, roles, tokenizer, reward_fn, eval_prompts))
             logger.log(step + 1, metrics)
             bar.update(1)
@@ -1076,6 +1181,7 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
             if args.save_steps and (step + 1) % args.save_steps == 0:
                 save_checkpoint(args, roles, step + 1, kl_ctl)
         bar.close()
+        sync_engines(args.max_steps)
         final = evaluate(args, roles, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
     except (EngineDied, WorkerDied) as e:
         raise stopped(str(e), step, ckpt_dir) from None
@@ -1100,6 +1206,8 @@ def main(args: Args):
         print("the plan fits.")
         return
     reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    if args.env_fn:
+        env_factory(args.env_fn)  # a wrong path or name stops the run here, before Ray starts
     tokenizer = load_tokenizer(args.pretrain)
     check_tokenizers(args, tokenizer)
     prompts, eval_prompts, ptx_samples = load_data(args, tokenizer)

@@ -80,9 +80,10 @@ def compute_gae(
         A_t     = sum_l (gamma * lam)^l * delta_{t+l}  =  delta_t + gamma * lam * A_{t+1}
 
     are computed by the right-hand recursion, backwards over time and vectorised over the batch. Masked-out positions
-    contribute nothing: their reward, value and advantage are 0, so the step after a sequence's last real token has
-    V = 0 and A = 0 (the episode ends there), and left padding before a response is simply skipped. A gap inside
-    a row's mask ends the episode at the gap as well. Returns (advantages, returns), returns = advantages + values
+    are skipped as if absent: their advantage is 0, the step after a sequence's last real token has V = 0 and A = 0
+    (the episode ends there), left padding before a response is passed over, and a gap inside a row's mask (the
+    environment's tokens between two turns of a multi-turn episode) joins the turns on either side: the last token
+    of a turn looks ahead to the first of the next. Returns (advantages, returns), returns = advantages + values
     (the critic's regression target), both 0 where mask is 0. Pass detached values: these are targets.
     """
     mask = mask.bool()
@@ -93,9 +94,10 @@ def compute_gae(
     next_advantage = torch.zeros_like(values[:, 0])  # (batch,)
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, 0.0)
-        advantages[:, t] = advantage
-        next_value, next_advantage = values[:, t], advantage
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(mask[:, t], advantage, 0.0)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)  # a masked-out position passes them on
+        next_advantage = torch.where(mask[:, t], advantage, next_advantage)
     returns = torch.where(mask, advantages + values, 0.0)
     return advantages, returns
 

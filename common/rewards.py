@@ -54,13 +54,13 @@ def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------- rule-based functions
-def load_reward_fn(spec: str):
+def load_reward_fn(spec: str, flag: str = "--reward_fn"):
     """The function named by `path/to/file.py:function`, loaded from the file by its path."""
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():
-        raise UserError(f"--reward_fn {spec!r} must be written path/to/file.py:function_name.")
+        raise UserError(f"{flag} {spec!r} must be written path/to/file.py:function_name.")
     if not os.path.isfile(path):
-        raise UserError(f"--reward_fn file {path} does not exist; check the path.")
+        raise UserError(f"{flag} file {path} does not exist; check the path.")
     module_name = "reward_fn_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -69,7 +69,7 @@ def load_reward_fn(spec: str):
     if not callable(fn):
         functions = sorted(k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", None)
                            == module_name)
-        raise UserError(f"--reward_fn file {path} has no function {name!r}; it defines {functions}.")
+        raise UserError(f"{flag} file {path} has no function {name!r}; it defines {functions}.")
     return fn
 
 

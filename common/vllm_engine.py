@@ -94,17 +94,21 @@ class VLLMEngine:
         return self.llm.collective_rpc(_worker_placement)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int = 16, logprobs: bool = True, **sampling_kwargs) -> list[list[dict]]:
+                 max_tokens: int | list[int] = 16, logprobs: bool = True, **sampling_kwargs) -> list[list[dict]]:
         """Sample `n` continuations of every prompt; result[i][j] is sample j of prompt i.
 
         Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str}, where
         logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
-        before temperature and top_p). Extra keyword arguments go to `vllm.SamplingParams` (top_k, stop_token_ids, ...).
+        before temperature and top_p). `max_tokens` may be one limit per prompt. Extra keyword arguments go to
+        `vllm.SamplingParams` (top_k, stop_token_ids, ...).
         """
         import vllm
 
-        params = vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                     logprobs=0 if logprobs else None, **sampling_kwargs)  # 0: only the sampled token
+        def params_for(limit: int):
+            return vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit,
+                                       logprobs=0 if logprobs else None, **sampling_kwargs)  # 0: the sampled token
+
+        params = [params_for(m) for m in max_tokens] if isinstance(max_tokens, list) else params_for(max_tokens)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
         results = []
         for output in outputs:
@@ -301,16 +305,28 @@ class EngineDied(RuntimeError):
 
 
 def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-             max_tokens: int) -> list[list[dict]]:
+             max_tokens: int | list[int]) -> list[list[dict]]:
     """VLLMEngine.generate over all engines, the prompts dealt out in turn; raises EngineDied if one is gone."""
+    return collect(engines, start_generate(engines, prompt_ids, n, temperature, top_p, max_tokens))
+
+
+def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                   max_tokens: int | list[int]) -> list:
+    """generate() without waiting: the engines' pending results, for `collect`. The engines sample with the
+    weights they hold now; a weight sync must wait until they are collected."""
     chunks = [prompt_ids[i:: len(engines)] for i in range(len(engines))]
-    refs = [e.generate.remote(c, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-            for e, c in zip(engines, chunks)]
+    limits = [max_tokens[i:: len(engines)] if isinstance(max_tokens, list) else max_tokens for i in range(len(engines))]
+    return [e.generate.remote(c, n=n, temperature=temperature, top_p=top_p, max_tokens=m)
+            for e, c, m in zip(engines, chunks, limits)]
+
+
+def collect(engines: list, refs: list) -> list[list[dict]]:
+    """start_generate's samples, back in the order of its prompts (collecting twice gives the same)."""
     try:
         results = ray.get(refs)
     except ray.exceptions.RayActorError as e:
         raise EngineDied(f"a vLLM engine died while generating ({type(e).__name__})") from None
-    merged = [None] * len(prompt_ids)
+    merged = [None] * sum(map(len, results))
     for i, result in enumerate(results):
         merged[i:: len(engines)] = result
     return merged

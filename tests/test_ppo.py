@@ -56,14 +56,28 @@ def test_grpo_with_the_rule_reward_raises_reward_and_accuracy(sft_model, task, t
 
 @pytest.mark.slow
 @pytest.mark.learning
-def test_ppo_with_a_critic_and_the_rule_reward_raises_reward_and_accuracy(sft_model, task, tmp_path):
+def test_ppo_with_a_critic_and_async_rollouts_raises_reward_and_accuracy(sft_model, task, tmp_path):
+    """GAE with --async_rollouts: vLLM samples step k+1 while step k trains, from the policy one update old. (The
+    GRPO test above covers the synchronous loop; the two share everything but the loop's order and the IS weights.)"""
     out = str(tmp_path / "ppo")
-    scores, log = learn(sft_model, task, out, "gae", "--critic_learning_rate", "3e-4")
+    scores, log = learn(sft_model, task, out, "gae", "--critic_learning_rate", "3e-4", "--async_rollouts",
+                        "--eval_steps", "6")
     # The critic trains every step. Its loss is no learning signal here: as the policy gets more answers right the
     # spread of the 0/1 returns grows, and over 12 steps the loss stayed near a constant prediction's (its last/first
     # ratio was 0.67-0.91 at lr 1e-4 and 1.36 at lr 3e-4).
     assert len(log) == 12 and all(0 < m["critic/value_loss"] < 1 for m in log), [m["critic/value_loss"] for m in log]
-    expect_learned("ppo", sft_model, task, out, scores)
+    # One step of lag, exactly: step 1 was sampled by the weights the trainer starts from; from step 2 on each
+    # rollout comes from the policy one update old. The engines take the new policy before sampling the next step,
+    # except at step 7, whose policy they already took for step 6's evaluation.
+    diffs = [m["vllm/logprob_diff"] for m in log]
+    assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3, diffs
+    assert [m["step"] for m in log if "weight_sync/bytes" in m] == [2, 3, 4, 5, 6, 8, 9, 10, 11, 12]
+    expect_learned("async ppo", sft_model, task, out, scores)
+
+    # After the last step (and at step 6's evaluation) the engines were brought up to date: the final eval, generated
+    # by vLLM, answers as the saved model does.
+    samples = [json.loads(line) for line in open(os.path.join(out, "eval_samples.jsonl"))][:48]
+    assert greedy_responses(out, [s["prompt"] for s in samples]) == [s["response"] for s in samples]
 
 
 @pytest.mark.slow

@@ -32,16 +32,15 @@ def left_padded_mask(starts: list[int], lengths: list[int], seq: int) -> torch.T
 
 
 def reference_gae(rewards, values, mask, gamma, lam):
-    """GAE as a reverse loop over time, one row at a time, reading only masked positions."""
+    """GAE as a reverse loop over each row's masked positions alone, as if the others were not there."""
     batch, seq = len(mask), len(mask[0])
     advantages = [[0.0] * seq for _ in range(batch)]
     for b in range(batch):
+        steps = [t for t in range(seq) if mask[b][t]]
         next_advantage = 0.0
-        for t in reversed(range(seq)):
-            if not mask[b][t]:
-                next_advantage = 0.0
-                continue
-            next_value = values[b][t + 1] if t + 1 < seq and mask[b][t + 1] else 0.0
+        for i in reversed(range(len(steps))):
+            t = steps[i]
+            next_value = values[b][steps[i + 1]] if i + 1 < len(steps) else 0.0
             delta = rewards[b][t] + gamma * next_value - values[b][t]
             next_advantage = delta + gamma * lam * next_advantage
             advantages[b][t] = next_advantage
@@ -51,6 +50,8 @@ def reference_gae(rewards, values, mask, gamma, lam):
 MASKS = {
     "right_padded": right_padded_mask([7, 3, 1, 5, 0], seq=7),
     "left_padded": left_padded_mask(starts=[0, 2, 4, 6, 1], lengths=[5, 4, 3, 1, 6], seq=8),
+    # multi-turn episodes: the environment's tokens (0) between the policy's turns (1)
+    "multi_turn": torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1], [0, 1, 0, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 1]]).bool(),
 }
 
 
@@ -69,6 +70,19 @@ def test_compute_gae_matches_reverse_loop(mask_kind, gamma, lam):
     torch.testing.assert_close(advantages, expected)
     torch.testing.assert_close(returns, torch.where(mask, expected + values, 0.0))
     assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
+
+
+def test_a_multi_turn_episode_credits_every_turn_with_the_final_reward():
+    """Reward 1 at the end of the second turn, gamma = lam = 1, V = 0: the first turn's tokens, before the
+    environment's reply, get advantage 1 too. (Ending the episode at the gap would have given them 0.)"""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]]).bool()
+    rewards = torch.tensor([[0.0, 0, 0, 0, 0, 1, 0]])
+    advantages, _ = compute_gae(rewards, torch.zeros(1, 7), mask, 1.0, 1.0)
+    assert advantages.tolist() == [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]]
+    # with values, the first turn's last token looks ahead to the second turn's first: delta = 0 + V(4) - V(1)
+    values = torch.tensor([[0.0, 0.25, 9.0, 9.0, 0.5, 0.75, 9.0]])
+    advantages, _ = compute_gae(rewards, values, mask, 1.0, 0.0)
+    assert advantages.tolist() == [[0.25, 0.25, 0.0, 0.0, 0.25, 0.25, 0.0]]
 
 
 def test_compute_gae_ignores_masked_out_values_and_rewards():
@@ -107,7 +121,9 @@ def test_compute_returns_is_reward_to_go(mask_kind):
     discounted = compute_returns(rewards, mask, gamma=0.9)
     for b in range(mask.shape[0]):
         for t in range(mask.shape[1]):
-            expected = sum(0.9 ** (k - t) * masked_rewards[b, k].item() for k in range(t, mask.shape[1]))
+            steps = mask[b].cumsum(0)  # the discount counts the policy's tokens, not the environment's
+            expected = sum(0.9 ** (steps[k] - steps[t]).item() * masked_rewards[b, k].item()
+                           for k in range(t, mask.shape[1]))
             assert discounted[b, t].item() == pytest.approx(expected if mask[b, t] else 0.0, abs=1e-9)
 
 

@@ -1,0 +1,126 @@
+"""Multi-turn rollouts: the policy and a user's environment take turns, kept as token ids from end to end.
+
+ppo_ray.py --env_fn path.py:make_env loads `make_env`, which returns a fresh environment for one episode:
+
+    class GuessingGame:
+        def reset(self, prompt, label) -> str | None:
+            '''The episode's first message to the policy (None: the prompt itself, rendered as usual).'''
+        def step(self, action_text: str) -> tuple[str, float, bool]:
+            '''The policy's turn, decoded; returns (the environment's reply, reward, done).'''
+
+An episode is the prompt, then the policy's turn (sampled by vLLM), the environment's reply, the policy's next turn,
+and so on, until the environment says done, --max_turns turns were taken, or the episode would outgrow
+--generate_max_len tokens after the prompt. The rewards of its steps are summed into the episode's score.
+
+Only the policy's own tokens are trained on: each episode carries an `env_mask`, 1 for the tokens vLLM sampled and
+0 for the environment's. What vLLM sampled is kept as the ids it sampled (never decoded and encoded again), so the
+trainer scores exactly the tokens the policy chose; only the environment's replies are tokenized. With a chat
+template a reply becomes a user turn, rendered by the template itself (`reply_ids`); without one, its text is
+appended as it is, and the environment formats it.
+"""
+
+from common.args import UserError
+from common.data import render_prompt
+
+SENTINEL = "\x00action\x00"  # stands for a policy turn while the chat template renders what comes after it
+
+
+def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None) -> list[int]:
+    """The tokens that follow a policy turn when the environment replies `reply`.
+
+    With a chat template: whatever the template writes after an assistant message up to the next assistant turn's
+    opening, i.e. the end-of-turn marker (and the newline some templates put after it), the reply as a user message,
+    and the generation prompt. `closed_by`: the text of the special token that ended the policy's turn (vLLM stops
+    at the end-of-turn token and keeps it), which is then not written twice.
+    """
+    if not chat_template:
+        return tokenizer(reply, add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL},
+                {"role": "user", "content": reply}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    after = text[text.index(SENTINEL) + len(SENTINEL):]
+    if closed_by and after.startswith(closed_by):
+        after = after[len(closed_by):]
+    return tokenizer(after, add_special_tokens=False)["input_ids"]
+
+
+def first_ids(tokenizer, env, prompt: dict, chat_template: bool, input_template: str | None,
+              prompt_max_len: int) -> list[int]:
+    """The episode's start: reset's first message rendered as a prompt, or the prompt's own ids when it gives None."""
+    first = env.reset(prompt["prompt"], prompt["label"])
+    if first is None:
+        return prompt["ids"]
+    if not isinstance(first, str):
+        raise UserError(f"the environment's reset() returned {type(first).__name__}; it must return the first "
+                        f"message as a string, or None to start from the prompt itself.")
+    ids = tokenizer(render_prompt(tokenizer, first, chat_template, input_template), add_special_tokens=False)
+    if len(ids["input_ids"]) > prompt_max_len:
+        raise UserError(f"the environment's first message is {len(ids['input_ids'])} tokens, over --prompt_max_len "
+                        f"{prompt_max_len}; raise it or shorten the message.")
+    return ids["input_ids"]
+
+
+def checked_step(env, action_text: str) -> tuple[str, float, bool]:
+    """env.step, with its answer checked: one sentence naming what is wrong, not a failure deep in the trainer."""
+    result = env.step(action_text)
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise UserError(f"the environment's step() returned {result!r}; it must return (reply: str, reward: float, "
+                        f"done: bool).")
+    reply, reward, done = result
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        raise UserError(f"the environment's step() gave the reward {reward!r}; it must be a number.") from None
+    if reward != reward or abs(reward) == float("inf"):
+        raise UserError(f"the environment's step() gave the reward {reward}; it must be finite.")
+    if not done and not isinstance(reply, str):
+        raise UserError(f"the environment's step() replied {reply!r} without ending the episode; the reply must be "
+                        f"a string.")
+    return reply, reward, bool(done)
+
+
+def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max_turns: int, max_len: int,
+                 chat_template: bool, input_template: str | None, prompt_max_len: int) -> list[list[dict]]:
+    """`n` episodes per prompt, all advanced a turn at a time together; returns samples[prompt][episode] laid out
+    as vllm_engine.generate's, plus `prompt_ids` (the episode's start), `env_mask`, `reward` (summed) and `turns`.
+
+    `generate(ids_list, max_tokens_list)` samples one continuation of each sequence (a dict with token_ids, logprobs
+    and finish_reason). `max_len` bounds each episode's tokens after the prompt, the environment's included.
+    """
+    episodes = []
+    for prompt in prompts:
+        for _ in range(n):
+            env = make_env()
+            start = first_ids(tokenizer, env, prompt, chat_template, input_template, prompt_max_len)
+            episodes.append({"env": env, "prompt_ids": start, "token_ids": [], "logprobs": [], "env_mask": [],
+                             "reward": 0.0, "turns": 0, "done": False, "finish_reason": "stop"})
+    for turn in range(max_turns):
+        active = [e for e in episodes if not e["done"]]
+        if not active:
+            break
+        outs = generate([e["prompt_ids"] + e["token_ids"] for e in active],
+                        [max_len - len(e["token_ids"]) for e in active])
+        for e, out in zip(active, outs):
+            tokens = out["token_ids"]
+            e["token_ids"] += tokens
+            e["logprobs"] += out["logprobs"] or [0.0] * len(tokens)
+            e["env_mask"] += [1] * len(tokens)
+            e["turns"] += 1
+            e["finish_reason"] = out["finish_reason"]
+            reply, reward, done = checked_step(e["env"], tokenizer.decode(tokens, skip_special_tokens=True))
+            e["reward"] += reward
+            if done or turn == max_turns - 1 or out["finish_reason"] == "length":
+                e["done"] = True
+                continue
+            closed_by = (tokenizer.convert_ids_to_tokens(tokens[-1]) if tokens and out["finish_reason"] == "stop"
+                         and tokens[-1] in tokenizer.all_special_ids else None)
+            more = reply_ids(tokenizer, reply, chat_template, closed_by)
+            if len(e["token_ids"]) + len(more) >= max_len:  # no room for the reply and a turn after it
+                e["done"], e["finish_reason"] = True, "length"
+                continue
+            e["token_ids"] += more
+            e["logprobs"] += [0.0] * len(more)
+            e["env_mask"] += [0] * len(more)
+    fields = ("prompt_ids", "token_ids", "logprobs", "env_mask", "reward", "turns", "finish_reason")
+    samples = [{k: e[k] for k in fields} for e in episodes]
+    return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
