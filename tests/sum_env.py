@@ -1,26 +1,33 @@
 """A multi-turn environment on the synthetic task, for ppo_ray.py --env_fn tests/sum_env.py:make_env.
 
-The prompt is one of the task's sums. The policy answers; a right answer ends the episode with reward 1, and a wrong
-one gets the reply "higher" or "lower" (or "a number, please" when it gave none) and another turn. An episode that
-ends without the answer gets 0.
+The prompt is one of the task's sums. The policy answers; the right answer ends the episode with reward 1, a wrong
+one gets the reply "higher" or "lower" (or "a number, please" when it gave none) and another turn. A guess that
+moves the way the last reply said earns 0.5 on top, which is what makes acting on the feedback worth learning for a
+policy that cannot yet add: the SFT model has never seen a reply, and ignores it.
 """
 
 import re
 
+FOLLOWED = 0.5  # the reward for a guess that moves the way the reply said
+
 
 class HigherOrLower:
     def reset(self, prompt, label):
-        self.answer = int(label)
+        self.answer, self.last, self.told = int(label), None, None
         return None  # the policy starts from the prompt itself
 
     def step(self, action_text: str):
         numbers = re.findall(r"-?\d+", action_text)
         if not numbers:
+            self.last = self.told = None
             return "a number, please", 0.0, False
         guess = int(numbers[0])
+        followed = self.told is not None and (guess > self.last if self.told == "higher" else guess < self.last)
+        reward = FOLLOWED if followed else 0.0
         if guess == self.answer:
-            return "", 1.0, True
-        return ("higher" if guess < self.answer else "lower"), 0.0, False
+            return "", 1.0 + reward, True
+        self.last, self.told = guess, ("higher" if guess < self.answer else "lower")
+        return self.told, reward, False
 
 
 def make_env():

@@ -1,10 +1,17 @@
 """common/multi_turn.py: episodes of the policy and an environment, as token ids, on both chat formats."""
 
+import json
+import os
+import re
+
 import pytest
+from conftest import ROOT, SEED, expect, mean, metrics, run_script
 from sum_env import make_env
 
 from common.args import UserError
+from common.data import load_records
 from common.multi_turn import run_episodes
+from common.task_eval import greedy_responses
 from common.tiny_model import build_tokenizer
 
 
@@ -50,7 +57,8 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
     whole = tokenizer.apply_chat_template(messages, tokenize=False)
     whole = whole[: whole.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]  # the episode ends at the EOS
     assert episode["prompt_ids"] + episode["token_ids"] == tokenizer(whole, add_special_tokens=False)["input_ids"]
-    assert episode["reward"] == 1.0 and episode["turns"] == 3 and len(calls) == 3
+    # 4, told higher: 7 (followed, 0.5), told lower: 5 (followed and right, 1.5)
+    assert episode["reward"] == 2.0 and episode["turns"] == 3 and len(calls) == 3
     policy = [t for t, m in zip(episode["token_ids"], episode["env_mask"]) if m]
     assert tokenizer.decode(policy) == "4" + tokenizer.eos_token + "7" + tokenizer.eos_token + "5" + tokenizer.eos_token
     assert [lp for lp, m in zip(episode["logprobs"], episode["env_mask"]) if not m] == [0.0] * (
@@ -63,13 +71,14 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
 def test_episodes_end_at_max_turns_at_the_budget_and_without_a_chat_template():
     tokenizer = build_tokenizer()
     prompt = {"prompt": "What is 2+3?", "ids": tokenizer("Q: What is 2+3? A:")["input_ids"], "label": "5"}
-    # never right: the episode ends after max_turns with reward 0; n episodes per prompt, each with its own env
+    # never right: the episode ends after max_turns, with 0.5 for moving up as told; n episodes per prompt, each
+    # with its own environment
     generate, calls = scripted_policy(tokenizer, ["1", "2", "3", "4"])
     [episodes] = run_episodes(generate, make_env, tokenizer, [prompt], 3, max_turns=2, max_len=64,
                               chat_template=False, input_template=None, prompt_max_len=64)
     assert len(episodes) == 3 and len(calls) == 2 and all(len(c[0]) == 3 for c in calls)
     for e in episodes:  # without a template the reply's text is appended as it is
-        assert e["turns"] == 2 and e["reward"] == 0.0
+        assert e["turns"] == 2 and e["reward"] == 0.5
         assert tokenizer.decode(e["token_ids"]) == "1" + tokenizer.eos_token + "higher2" + tokenizer.eos_token
     # a turn cut at its limit ends the episode, with the finish reason that --overlong_filter looks for
     generate, _ = scripted_policy(tokenizer, ["123456789"], truncate_at=2)
@@ -107,3 +116,48 @@ def test_an_environment_that_answers_wrongly_gets_one_sentence(result, says):
     generate, _ = scripted_policy(tokenizer, ["1"])
     with pytest.raises(UserError, match=says.replace("(", r"\(").replace(")", r"\)")):
         run_episodes(generate, lambda: Broken(result), tokenizer, [prompt], 1, 2, 64, False, None, 64)
+
+
+# ----------------------------------------------------------------------------------------------- on the real stack
+def feedback_following(model_dir: str, prompts_file: str, limit: int = 200) -> float:
+    """How much the policy acts on the reply: each held-out sum is answered greedily, then the same answer is told
+    "higher" in one conversation and "lower" in another, whatever the truth. Returns P(the answer after "higher" is
+    above the one after "lower") - P(below): 0 for a policy that ignores the reply, 1 for one that always follows."""
+    def number(text):
+        found = re.findall(r"-?\d+", text)
+        return int(found[0]) if found else None
+
+    rows = load_records(prompts_file)[:limit]
+    first = greedy_responses(model_dir, [[{"role": "user", "content": r["prompt"]}] for r in rows])
+    told = [[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": answer.strip()},
+             {"role": "user", "content": reply}] for r, answer in zip(rows, first) for reply in ("higher", "lower")]
+    second = [number(text) for text in greedy_responses(model_dir, told)]
+    pairs = [(h, lo) for h, lo in zip(second[::2], second[1::2]) if h is not None and lo is not None]
+    return (sum(h > lo for h, lo in pairs) - sum(h < lo for h, lo in pairs)) / len(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+def test_grpo_in_a_multi_turn_environment_learns_to_act_on_its_replies(sft_model, task, tmp_path):
+    """tests/sum_env.py: the policy answers a sum, hears "higher" or "lower" and tries again, up to 3 turns. The
+    trainer scores exactly the tokens vLLM sampled in every turn, and the policy learns to move its guess the way it
+    was told."""
+    out = str(tmp_path / "ppo")
+    run_script("ppo_ray.py", [
+        "--pretrain", sft_model, "--prompt_data", task["prompts_train"], "--eval_prompt_data", task["prompts_eval"],
+        "--apply_chat_template", "--output_dir", out, "--prompt_max_len", "64", "--generate_max_len", "32",
+        "--env_fn", f"{ROOT}/tests/sum_env.py:make_env", "--max_turns", "3", "--advantage_estimator", "grpo",
+        "--n_samples_per_prompt", "8", "--rollout_batch_size", "64", "--train_batch_size", "128",
+        "--micro_train_batch_size", "64", "--actor_learning_rate", "3e-4", "--init_kl_coef", "0.001",
+        "--max_steps", "8", "--seed", str(SEED)])
+    log = [m for m in metrics(out) if "objective/scores" in m]
+    assert log[0]["env/turns"] > 1.5, log[0]  # most episodes took more than one turn
+    # Token ids end to end: the trainer's log-probs of the policy's tokens, with the environment's replies between
+    # them, are vLLM's own (a token shifted by one would differ by whole nats).
+    assert max(m["vllm/logprob_diff"] for m in log) < 1e-4, [m["vllm/logprob_diff"] for m in log]
+    scores = [m["objective/scores"] for m in log]
+    expect("multi-turn: episode reward, last 3 steps - step 1", mean(scores[-3:]) - scores[0], ">=", 0.15)
+    before, after = (feedback_following(m, task["prompts_eval"]) for m in (sft_model, out))
+    expect("multi-turn: acting on the reply, trained - SFT", after - before, ">=", 0.3)
+    episodes = [s["response"] for s in map(json.loads, open(os.path.join(out, "eval_samples.jsonl")))]
+    assert any("higher" in e or "lower" in e for e in episodes), episodes[:3]

@@ -471,10 +471,17 @@ def test_truncated_importance_weights_worked_by_hand():
     ({"dynamic_sampling": True}, "with --advantage_estimator grpo, dr_grpo, rloo, reinforce++-baseline, not gae"),
     ({"dynamic_sampling": True, "dynamic_sampling_max_rounds": 0, "advantage_estimator": "grpo",
       "n_samples_per_prompt": 2}, "--dynamic_sampling_max_rounds 0 leaves nothing to train on"),
+    ({"async_rollouts": True, "colocate_all": True}, "--async_rollouts cannot be used with --colocate_all"),
+    ({"async_rollouts": True, "dynamic_sampling": True, "advantage_estimator": "grpo", "n_samples_per_prompt": 2},
+     "--async_rollouts cannot be used with --dynamic_sampling"),
+    ({"env_fn": "env.py:make_env"}, "--env_fn's rewards score the episodes; leave out --reward_fn, or --env_fn."),
+    ({"env_fn": "env.py:make_env", "reward_fn": None, "max_turns": 0}, "--max_turns 0 gives the policy no turn"),
+    ({"env_fn": "env.py:make_env", "reward_fn": None, "async_rollouts": True},
+     "--async_rollouts cannot be used with --env_fn"),
 ])
 def test_new_loss_flags_that_cannot_work_are_refused(flags, words):
     with pytest.raises(UserError, match=re.escape(words)):
-        ppo_ray.check_args(ppo_ray.Args(pretrain="unused", reward_fn="unused.py:f", **flags))
+        ppo_ray.check_args(ppo_ray.Args(**{"pretrain": "unused", "reward_fn": "unused.py:f", **flags}))
 
 
 def test_overlong_penalty_worked_by_hand():
