@@ -36,6 +36,8 @@ Implementation details, where they happen below:
   - policy ratio clipping (with DAPO's clip-higher and dual-clip as options) and value clipping (PPO), a choice of
     how token losses are averaged (--loss_agg), truncated importance sampling against vLLM's log-probs
     (--vllm_is_correction), optional entropy bonus and pretraining (ptx) loss;
+  - multi-turn episodes (--env_fn, common/multi_turn.py): the policy and a user's environment take turns, as token
+    ids from end to end, and only the policy's tokens are trained on;
   - DAPO's batch shaping: dynamic sampling (--dynamic_sampling, in rollout()) keeps only prompts whose rewards
     differ, and an overlong penalty or filter (--overlong_buffer_len, --overlong_filter);
   - reward normalisation with the mean/std rm.py stores, then clipping; a critic initialised from a reward model
