@@ -2,13 +2,13 @@
 
 The prompt is one of the task's sums. The policy answers; the right answer ends the episode with reward 1, a wrong
 one gets the reply "higher" or "lower" (or "a number, please" when it gave none) and another turn. A guess that
-moves the way the last reply said earns 0.5 on top, which is what makes acting on the feedback worth learning for a
-policy that cannot yet add: the SFT model has never seen a reply, and ignores it.
+moves the way the last reply said earns 1 more, which makes acting on the reply worth learning even where the policy
+cannot add: the SFT model has never seen a reply, and its next answer ignores it (or goes the other way).
 """
 
 import re
 
-FOLLOWED = 0.5  # the reward for a guess that moves the way the reply said
+FOLLOWED = 1.0  # the reward for a guess that moves the way the reply said
 
 
 class HigherOrLower:

