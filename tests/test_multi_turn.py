@@ -120,20 +120,22 @@ def test_an_environment_that_answers_wrongly_gets_one_sentence(result, says):
 
 # ----------------------------------------------------------------------------------------------- on the real stack
 def feedback_following(model_dir: str, prompts_file: str, limit: int = 200) -> float:
-    """How much the policy acts on the reply: each held-out sum is answered greedily, then the same answer is told
-    "higher" in one conversation and "lower" in another, whatever the truth. Returns P(the answer after "higher" is
-    above the one after "lower") - P(below): 0 for a policy that ignores the reply, 1 for one that always follows."""
+    """How much the policy acts on the reply. Each held-out sum is answered greedily; where the answer is a wrong
+    number (where a reply comes in an episode), it is told "higher" in one conversation and "lower" in another,
+    whatever the truth. Returns P(its next answer after "higher" is above the one after "lower") - P(below): 0 for a
+    policy that ignores the reply, 1 for one that always follows it."""
     def number(text):
         found = re.findall(r"-?\d+", text)
         return int(found[0]) if found else None
 
     rows = load_records(prompts_file)[:limit]
     first = greedy_responses(model_dir, [[{"role": "user", "content": r["prompt"]}] for r in rows])
+    wrong = [(r, answer) for r, answer in zip(rows, first) if number(answer) not in (None, int(r["label"]))]
     told = [[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": answer.strip()},
-             {"role": "user", "content": reply}] for r, answer in zip(rows, first) for reply in ("higher", "lower")]
+             {"role": "user", "content": reply}] for r, answer in wrong for reply in ("higher", "lower")]
     second = [number(text) for text in greedy_responses(model_dir, told)]
     pairs = [(h, lo) for h, lo in zip(second[::2], second[1::2]) if h is not None and lo is not None]
-    return (sum(h > lo for h, lo in pairs) - sum(h < lo for h, lo in pairs)) / len(rows)
+    return (sum(h > lo for h, lo in pairs) - sum(h < lo for h, lo in pairs)) / max(1, len(wrong))
 
 
 @pytest.mark.slow
