@@ -190,16 +190,27 @@ class Interrupted(UserError):
     exit_code = 130
 
 
+_stopping = False  # a Ctrl-C or SIGTERM has been raised as KeyboardInterrupt
+
+
 def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    """The first Ctrl-C or SIGTERM becomes a KeyboardInterrupt; later ones are ignored. Stops come in pairs: Ctrl-C
+    under `deepspeed --num_gpus N` reaches every rank, and the launcher then sends its own, which used to land while
+    run_main was naming the surviving checkpoint and cut that short with a second traceback."""
+    global _stopping
+    if not _stopping:
+        _stopping = True
+        raise KeyboardInterrupt
 
 
 def stop_on_sigterm() -> None:
-    """Make SIGTERM (a scheduler's or `kill`'s stop) end the run as Ctrl-C does, through run_main's sentence.
+    """Make SIGTERM (a scheduler's or `kill`'s stop) end the run as Ctrl-C does, through run_main's sentence, and
+    either of them do so once (_raise_keyboard_interrupt).
 
     run_main calls it; call it again after ray.init(), whose driver installs a handler that aborts the process, and
     after ray.shutdown(), which leaves SIGTERM at its default in the C library, where Python does not see it."""
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
 
 
 def run_main(main, args, saved=None) -> None:

@@ -362,6 +362,47 @@ def test_a_process_with_collectives_in_flight_ends_with_its_own_exit_code(outcom
     assert result.stderr.strip() == ("error: the data ran out." if code else ""), result.stderr[-2000:]
 
 
+TWO_STOPS = """
+import sys
+import time
+from common.args import run_main
+
+def main(_):
+    print("training", flush=True)
+    time.sleep(60)
+
+def saved(_):
+    print("naming what survives", flush=True)
+    time.sleep(2)  # the second stop lands here
+    return "the checkpoint of step 5 in ckpt is intact"
+
+run_main(main, None, saved=saved)
+"""
+
+
+def test_a_second_stop_does_not_cut_the_first_ones_sentence_short(tmp_path):
+    """Ctrl-C under `deepspeed --num_gpus 2` reaches rank 0 twice (from the terminal, then from the launcher). The
+    second used to land while run_main named the surviving checkpoint, and ended the run in a traceback (CI saw it
+    once, in the sft stop test below)."""
+    script = tmp_path / "two_stops.py"
+    script.write_text(TWO_STOPS)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert proc.stdout.readline() == "training\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "naming what survives\n"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip() == ("error: interrupted; the checkpoint of step 5 in ckpt is intact. Rerun the same "
+                              "command to resume."), stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------ slow: stopped mid-run
 def snapshot(folder: str) -> list[tuple[str, float]]:
     return sorted((os.path.relpath(os.path.join(d, f), folder), os.path.getmtime(os.path.join(d, f)))
