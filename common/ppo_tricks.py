@@ -147,7 +147,6 @@ def group_advantages(
     return advantages.reshape(-1)
 
 
-# ----------------------------------------------------------------------------------------------- KL
 def groups_with_a_spread(scores: torch.Tensor, n_samples_per_prompt: int, eps: float = 1e-6) -> torch.Tensor:
     """(prompts,) True where a prompt's n consecutive scores are not all equal (DAPO's dynamic sampling keeps these):
     a group of equal scores gets zero advantages from every group baseline, so it teaches the policy nothing."""
@@ -155,6 +154,7 @@ def groups_with_a_spread(scores: torch.Tensor, n_samples_per_prompt: int, eps: f
     return groups.max(dim=1).values - groups.min(dim=1).values > eps
 
 
+# ----------------------------------------------------------------------------------------------- KL
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the log probs of tokens sampled from the policy.
 

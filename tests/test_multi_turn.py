@@ -163,3 +163,13 @@ def test_grpo_in_a_multi_turn_environment_learns_to_act_on_its_replies(sft_model
     expect("multi-turn: acting on the reply, trained - SFT", after - before, ">=", 0.2)
     episodes = [s["response"] for s in map(json.loads, open(os.path.join(out, "eval_samples.jsonl")))]
     assert any("higher" in e or "lower" in e for e in episodes), episodes[:3]
+
+
+def test_a_wrong_env_fn_is_named_by_its_flag():
+    import ppo_ray
+
+    with pytest.raises(UserError, match=re.escape("--env_fn file missing/env.py does not exist; check the path.")):
+        ppo_ray.env_factory("missing/env.py:make_env")
+    names = "has no function 'make_world'; it defines ['HigherOrLower', 'make_env']"
+    with pytest.raises(UserError, match=re.escape(names)):
+        ppo_ray.env_factory(f"{ROOT}/tests/sum_env.py:make_world")
