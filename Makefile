@@ -41,9 +41,11 @@ gpu-smoke: setup
 bench: setup
 	$(PY) bench/bench_sft.py
 	$(PY) bench/bench_preference.py
+	$(PY) bench/bench_packing.py
 	$(PY) bench/bench_weight_sync.py
 	$(PY) bench/bench_ppo.py
 	$(PY) bench/bench_async.py
+	$(PY) bench/bench_lora.py
 
 lint: setup
 	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt

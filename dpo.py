@@ -9,9 +9,14 @@ r(x, y) = beta * log(pi(y|x) / pi_ref(y|x)), and the loss is the Bradley-Terry l
 
 Implementation details, where they happen below:
   - the reference model is the starting policy, frozen and partitioned with ZeRO-3 like the policy (`--ref_offload`
-    keeps its parameters in CPU memory); its tokenizer must be the policy's;
+    keeps its parameters in CPU memory); its tokenizer must be the policy's. With `--lora_rank` (common/lora.py) the
+    policy trains adapters on its frozen weights, and the reference is those weights with the adapters switched off:
+    no second copy;
   - a response's log-prob is summed over its tokens only; prompt and padding are masked out (common/data.py);
   - chosen and rejected responses go through each model in one forward pass, as one (2 x pairs, seq) batch;
+  - `--packing_samples` concatenates that batch into one row with no padding; position_ids restart at each sequence
+    so that each one attends only to itself, and each sequence's log-prob is summed over its own span of the row
+    (common/modeling.py: sequence_sums): the log-probs and the loss are identical to the padded ones;
   - `--ipo` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences")
     regresses the log-ratio margin onto 1 / (2 beta) instead of pushing it to infinity, so it does not overfit
     preferences that are always the same way round;
@@ -24,6 +29,7 @@ Implementation details, where they happen below:
     perf/ref_forward_share is the fraction of a step spent in the reference model's forward pass.
 """
 
+import contextlib
 import math
 import os
 import time
@@ -34,13 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from common import checkpoint, data
+from common import checkpoint, data, lora
 from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, parse_args,
                          run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
                                     init_train_engine, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs
+from common.modeling import next_token_logprobs, sequence_sums
 
 
 @dataclass
@@ -97,6 +103,17 @@ class Args:
     """AdamW weight decay (never applied to biases and norms)"""
     grad_clip: float = 1.0
     """clip the gradient norm to this value"""
+    # --- LoRA (peft)
+    lora_rank: int = 0
+    """train LoRA adapters of this rank on the frozen model instead of every weight (0: train every weight)"""
+    lora_alpha: int = 16
+    """LoRA's scale: the adapters' update is multiplied by lora_alpha / lora_rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    target_modules: str = "all-linear"
+    """layers that get adapters: all-linear (every linear layer but the output head) or names, e.g. q_proj,v_proj"""
+    load_in_4bit: bool = False
+    """QLoRA: keep the frozen model in 4 bits (NF4 with bitsandbytes; CUDA only, with --lora_rank)"""
     # --- logging and checkpoints
     logging_steps: int = 1
     """log training metrics every this many steps"""
@@ -114,7 +131,7 @@ class Args:
     """wandb project name"""
     # --- DPO
     ref_pretrain: str | None = None
-    """the frozen reference model (default: --pretrain); it must use the policy's tokenizer"""
+    """the frozen reference model (default: --pretrain, which with --lora_rank is the policy with its adapters off)"""
     ref_offload: bool = False
     """keep the reference model's ZeRO-3 parameters in CPU memory"""
     beta: float = 0.1
@@ -125,6 +142,8 @@ class Args:
     """use the IPO loss instead of DPO's"""
     nll_loss_coef: float = 0.0
     """weight of an NLL loss on the chosen responses (0: none)"""
+    packing_samples: bool = False
+    """pack each micro-batch into one row without padding"""
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
@@ -147,15 +166,24 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the chosen and of the rejected responses, summed over response tokens: (pairs,) each."""
-    logprobs = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"])  # (2 * pairs, seq - 1)
-    logps = (logprobs * batch["loss_mask"][:, 1:]).sum(-1)  # (2 * pairs,)
+    logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
+                                   batch.get("position_ids"))  # (2 * pairs, seq - 1), or (1, total - 1) packed
+    logps = sequence_sums(logprobs * batch["loss_mask"][:, 1:], batch.get("position_ids"))  # (2 * pairs,)
     return logps.chunk(2)
+
+
+def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_logps of the frozen reference: its own model, or with LoRA the policy with its adapters off."""
+    with torch.no_grad(), lora.reference(engine) if ref_engine is None else contextlib.nullcontext():
+        return forward_logps(ref_engine or engine, batch)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-def collate(samples, tokenizer, dev) -> dict:
-    """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch: one forward pass scores both."""
-    batch = data.pad_collate([s["chosen"] for s in samples] + [s["rejected"] for s in samples], tokenizer.pad_token_id)
+def collate(samples, tokenizer, packing: bool, dev) -> dict:
+    """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch or packed into one (1, total) row:
+    one forward pass scores both."""
+    sequences = [s["chosen"] for s in samples] + [s["rejected"] for s in samples]
+    batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
     return {k: v.to(dev) for k, v in batch.items()}
 
 
@@ -169,9 +197,9 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
-        batch = collate(chunk, tokenizer, device())
+        batch = collate(chunk, tokenizer, args.packing_samples, device())
         losses, chosen_rewards, rejected_rewards = dpo_loss(*forward_logps(engine, batch),
-                                                            *forward_logps(ref_engine, batch), args.beta,
+                                                            *ref_forward_logps(engine, ref_engine, batch), args.beta,
                                                             args.label_smoothing, args.ipo)
         stats += weight * torch.tensor([losses.sum().item(), (chosen_rewards > rejected_rewards).sum().item(),
                                         (chosen_rewards - rejected_rewards).sum().item(), len(chunk)], device=device())
@@ -187,6 +215,7 @@ def main(args: Args):
     check_causal_lm(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
+    lora.check_args(args)
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
         raise UserError(f"--beta must be positive and --label_smoothing in [0, 0.5), got {args.beta} and "
                         f"{args.label_smoothing}.")
@@ -200,7 +229,7 @@ def main(args: Args):
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
     # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size}
+                "the number of ranks": launcher_world_size, **lora.settings(args)}
     checkpoint.check_resume(ckpt_dir, settings)
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
@@ -232,10 +261,16 @@ def main(args: Args):
     ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
                            world_size, offload_params=args.ref_offload, train=False)
 
-    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
+                       **lora.load_kwargs(args))
+    model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
-    ref_engine = init_eval_engine(load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
+    # With LoRA the reference is the policy's own frozen base model, adapters off: no second copy of the weights.
+    ref_engine = None if args.lora_rank and not args.ref_pretrain else init_eval_engine(
+        load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
+    if ref_engine is None:
+        print_rank0(rank, "LoRA: the reference is the policy with its adapters off, not a second copy of its weights")
     state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
     start_step = state["step"]
     if start_step:
@@ -252,10 +287,9 @@ def main(args: Args):
                  "ref_seconds")  # sums over this step's pairs
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:
-            batch = collate([train_samples[i] for i in indices], tokenizer, device())
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
             ref_start = time.time()
-            with torch.no_grad():
-                ref_chosen_logps, ref_rejected_logps = forward_logps(ref_engine, batch)
+            ref_chosen_logps, ref_rejected_logps = ref_forward_logps(engine, ref_engine, batch)
             get_accelerator().synchronize()  # GPU kernels run asynchronously: time the work, not its launch
             ref_seconds = time.time() - ref_start
             chosen_logps, rejected_logps = forward_logps(engine, batch)
@@ -264,8 +298,8 @@ def main(args: Args):
                                                                 args.ipo)
             loss = losses.mean()
             if args.nll_loss_coef:
-                chosen_tokens = batch["loss_mask"][: len(indices), 1:].sum()
-                loss = loss + args.nll_loss_coef * -chosen_logps.sum() / chosen_tokens
+                chosen_tokens = sequence_sums(batch["loss_mask"][:, 1:], batch.get("position_ids"))[: len(indices)]
+                loss = loss + args.nll_loss_coef * -chosen_logps.sum() / chosen_tokens.sum()
             engine.backward(loss)
             engine.step()
             stats += torch.tensor([losses.sum().item(), chosen_rewards.sum().item(), rejected_rewards.sum().item(),

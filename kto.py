@@ -10,12 +10,17 @@ the loss is 1 - sigmoid(beta * (r - z0)) for desirable responses and 1 - sigmoid
 
 Implementation details, where they happen below:
   - the reference model is the starting policy, frozen and partitioned with ZeRO-3 like the policy (`--ref_offload`
-    keeps its parameters in CPU memory); its tokenizer must be the policy's;
+    keeps its parameters in CPU memory); its tokenizer must be the policy's. With `--lora_rank` (common/lora.py) the
+    policy trains adapters on its frozen weights, and the reference is those weights with the adapters switched off:
+    no second copy;
   - a response's log-prob is summed over its tokens only; prompt and padding are masked out (common/data.py);
   - z0 is estimated as in the paper: each prompt of a micro-batch is paired with the next sample's response, the
     mean log-ratio of these mismatched pairs is averaged across ranks and clamped at 0, and no gradient flows
     through it;
   - the samples and their mismatched pairs go through each model in one forward pass, as one (2 x batch, seq) batch;
+  - `--packing_samples` concatenates that batch into one row with no padding; position_ids restart at each sequence
+    so that each one attends only to itself, and each sequence's log-prob is summed over its own span of the row
+    (common/modeling.py: sequence_sums): the log-probs and the loss are identical to the padded ones;
   - `--desirable_weight` / `--undesirable_weight` (lambda_D, lambda_U) rebalance skewed data; the paper advises
     lambda_D n_D / (lambda_U n_U) between 1 and 4/3, and the counts are printed at the start;
   - labels must be JSON booleans;
@@ -23,6 +28,7 @@ Implementation details, where they happen below:
     (z0); rewards/accuracies is the fraction of responses whose implicit reward has the sign of their label.
 """
 
+import contextlib
 import math
 import os
 import time
@@ -32,13 +38,13 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from common import checkpoint, data
+from common import checkpoint, data, lora
 from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, parse_args,
                          run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
                                     init_train_engine, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs
+from common.modeling import next_token_logprobs, sequence_sums
 
 
 @dataclass
@@ -95,6 +101,17 @@ class Args:
     """AdamW weight decay (never applied to biases and norms)"""
     grad_clip: float = 1.0
     """clip the gradient norm to this value"""
+    # --- LoRA (peft)
+    lora_rank: int = 0
+    """train LoRA adapters of this rank on the frozen model instead of every weight (0: train every weight)"""
+    lora_alpha: int = 16
+    """LoRA's scale: the adapters' update is multiplied by lora_alpha / lora_rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    target_modules: str = "all-linear"
+    """layers that get adapters: all-linear (every linear layer but the output head) or names, e.g. q_proj,v_proj"""
+    load_in_4bit: bool = False
+    """QLoRA: keep the frozen model in 4 bits (NF4 with bitsandbytes; CUDA only, with --lora_rank)"""
     # --- logging and checkpoints
     logging_steps: int = 1
     """log training metrics every this many steps"""
@@ -112,7 +129,7 @@ class Args:
     """wandb project name"""
     # --- KTO
     ref_pretrain: str | None = None
-    """the frozen reference model (default: --pretrain); it must use the policy's tokenizer"""
+    """the frozen reference model (default: --pretrain, which with --lora_rank is the policy with its adapters off)"""
     ref_offload: bool = False
     """keep the reference model's ZeRO-3 parameters in CPU memory"""
     beta: float = 0.1
@@ -121,6 +138,8 @@ class Args:
     """lambda_D: weight of the loss on desirable responses"""
     undesirable_weight: float = 1.0
     """lambda_U: weight of the loss on undesirable responses"""
+    packing_samples: bool = False
+    """pack each micro-batch into one row without padding"""
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
@@ -147,21 +166,29 @@ def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the responses and of the mismatched pairs' responses, summed over tokens: (batch,) each."""
-    logprobs = next_token_logprobs(model, batch["input_ids"], batch["attention_mask"])  # (2 * batch, seq - 1)
-    logps = (logprobs * batch["loss_mask"][:, 1:]).sum(-1)  # (2 * batch,)
+    logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
+                                   batch.get("position_ids"))  # (2 * batch, seq - 1), or (1, total - 1) packed
+    logps = sequence_sums(logprobs * batch["loss_mask"][:, 1:], batch.get("position_ids"))  # (2 * batch,)
     return logps.chunk(2)
+
+
+def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_logps of the frozen reference: its own model, or with LoRA the policy with its adapters off."""
+    with torch.no_grad(), lora.reference(engine) if ref_engine is None else contextlib.nullcontext():
+        return forward_logps(ref_engine or engine, batch)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-def collate(samples, tokenizer, max_len, dev) -> dict:
+def collate(samples, tokenizer, max_len, packing: bool, dev) -> dict:
     """The samples, then each prompt with the next sample's response (KTO's mismatched pairs), padded into one
-    (2 * batch, seq) batch: one forward pass scores both."""
+    (2 * batch, seq) batch or packed into one (1, total) row: one forward pass scores both."""
     mismatched = []
     for sample, other in zip(samples, samples[1:] + samples[:1]):
         prompt, response = slice(0, sample["prompt_len"]), slice(other["prompt_len"], None)
         mismatched.append({"input_ids": (sample["input_ids"][prompt] + other["input_ids"][response])[:max_len],
                            "loss_mask": ([0] * sample["prompt_len"] + other["loss_mask"][response])[:max_len]})
-    batch = data.pad_collate(samples + mismatched, tokenizer.pad_token_id)
+    sequences = samples + mismatched
+    batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
     batch["labels"] = torch.tensor([s["label"] for s in samples])  # (batch,)
     return {k: v.to(dev) for k, v in batch.items()}
 
@@ -176,8 +203,9 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:2]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
-        batch = collate(chunk, tokenizer, args.max_len, device())
-        (logps, kl_logps), (ref_logps, ref_kl_logps) = forward_logps(engine, batch), forward_logps(ref_engine, batch)
+        batch = collate(chunk, tokenizer, args.max_len, args.packing_samples, device())
+        (logps, kl_logps) = forward_logps(engine, batch)
+        ref_logps, ref_kl_logps = ref_forward_logps(engine, ref_engine, batch)
         kl = kl_reference_point(kl_logps, ref_kl_logps)
         labels = batch["labels"]
         losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
@@ -200,6 +228,7 @@ def main(args: Args):
     check_causal_lm(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
+    lora.check_args(args)
     if args.beta <= 0 or args.desirable_weight < 0 or args.undesirable_weight < 0:
         raise UserError(f"--beta must be positive and the weights non-negative, got --beta {args.beta}, "
                         f"--desirable_weight {args.desirable_weight}, --undesirable_weight {args.undesirable_weight}.")
@@ -214,7 +243,7 @@ def main(args: Args):
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
     # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size}
+                "the number of ranks": launcher_world_size, **lora.settings(args)}
     checkpoint.check_resume(ckpt_dir, settings)
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
@@ -251,10 +280,16 @@ def main(args: Args):
                       f"{args.desirable_weight * desirable / max(args.undesirable_weight * undesirable, 1e-9):.2f} "
                       f"(the KTO paper advises 1 to 4/3)")
 
-    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
+                       **lora.load_kwargs(args))
+    model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
-    ref_engine = init_eval_engine(load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
+    # With LoRA the reference is the policy's own frozen base model, adapters off: no second copy of the weights.
+    ref_engine = None if args.lora_rank and not args.ref_pretrain else init_eval_engine(
+        load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
+    if ref_engine is None:
+        print_rank0(rank, "LoRA: the reference is the policy with its adapters off, not a second copy of its weights")
     state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
     start_step = state["step"]
     if start_step:
@@ -271,10 +306,10 @@ def main(args: Args):
                  "rejected_logps", "rejected", "micro_batches", "ref_seconds")  # sums over this step's samples
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:
-            batch = collate([train_samples[i] for i in indices], tokenizer, args.max_len, device())
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.max_len, args.packing_samples,
+                            device())
             ref_start = time.time()
-            with torch.no_grad():
-                ref_logps, ref_kl_logps = forward_logps(ref_engine, batch)
+            ref_logps, ref_kl_logps = ref_forward_logps(engine, ref_engine, batch)
             get_accelerator().synchronize()  # GPU kernels run asynchronously: time the work, not its launch
             ref_seconds = time.time() - ref_start
             logps, kl_logps = forward_logps(engine, batch)

@@ -43,7 +43,12 @@ Implementation details, where they happen below:
   - reward normalisation with the mean/std rm.py stores, then clipping; a critic initialised from a reward model
     gives values on the same normalised scale; advantage whitening for gae and reinforce++ only (as OpenRLHF);
   - checkpoints hold every trained role, the data position and the KL controller; each role is saved first and
-    the driver's state file, written last, commits the step, so a run killed at any moment resumes cleanly.
+    the driver's state file, written last, commits the step, so a run killed at any moment resumes cleanly;
+  - --lora_rank (common/lora.py): the actor and critic train adapters on frozen weights; no reference workers start
+    (the actor with its adapters off is the reference), and each sync sends only the adapted layers, merged;
+  - --packing_samples: the actor, reference and critic run each micro-batch as one row without padding, position_ids
+    restarting at each sequence so that each attends only to itself; the log-probs and values are put back in the
+    padded action_mask layout (common/modeling.py pack_rows, unpack), equal to the padded ones.
 """
 
 import functools
@@ -58,7 +63,7 @@ import torch
 
 from transformers import AutoModelForSequenceClassification
 
-from common import memory_plan, multi_turn, rewards
+from common import lora, memory_plan, multi_turn, rewards
 from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir,
                          parse_args, run_main, stop_on_sigterm)
@@ -70,7 +75,8 @@ from common.deepspeed_utils import (device, ds_config, init_distributed, init_ev
 from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, use_gpus, wait)
-from common.modeling import entropy_from_logits, sequence_rewards, token_logprobs, token_values
+from common.modeling import (entropy_from_logits, pack_rows, packed_token_values, sequence_rewards, token_logprobs,
+                             token_values, unpack, unpack_next_token)
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
                                 start_generate, wait_for)
 from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
@@ -160,6 +166,9 @@ class Args:
     """keep the reference and reward models' ZeRO-3 parameters in CPU memory"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    packing_samples: bool = False
+    """pack each micro-batch into one row without padding in the actor's, reference's and critic's forward passes
+    (the reward models' scores stay padded)"""
     rollout_batch_size: int = 32
     """prompts per PPO step"""
     n_samples_per_prompt: int = 1
@@ -255,6 +264,17 @@ class Args:
     """normalise reward-model scores with the mean/std rm.py stored"""
     reward_clip: float = 10.0
     """clip the summed reward to [-clip, clip]"""
+    # --- LoRA (peft)
+    lora_rank: int = 0
+    """train LoRA adapters of this rank on the frozen actor and critic instead of every weight (0: every weight)"""
+    lora_alpha: int = 16
+    """LoRA's scale: the adapters' update is multiplied by lora_alpha / lora_rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    target_modules: str = "all-linear"
+    """layers that get adapters: all-linear (every linear layer but the output head) or names, e.g. q_proj,v_proj"""
+    load_in_4bit: bool = False
+    """QLoRA: keep the frozen model in 4 bits (NF4 with bitsandbytes; CUDA only, with --lora_rank)"""
     # --- logging and checkpoints
     eval_steps: int = 0
     """evaluate on --eval_prompt_data every this many steps (0: only at the end)"""
@@ -273,6 +293,11 @@ class Args:
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
 KL_IN_LOSS = ("grpo", "dr_grpo")  # estimators whose KL to the reference is a loss term, not a reward penalty
 GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce++-baseline")  # estimators that compare samples of one prompt
+
+
+def uses_reference(args: Args) -> bool:
+    """Whether the run compares the policy with the reference model: a KL penalty in the reward or in the loss."""
+    return args.init_kl_coef > 0 or args.advantage_estimator in KL_IN_LOSS
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
@@ -455,9 +480,12 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
     rows = len(batch["input_ids"])
     actor, ref, critic = roles["actor"], roles.get("ref"), roles.get("critic")
+    if args.lora_rank and uses_reference(args):  # the reference is the actor's frozen model, adapters off
+        ref = actor
     micro = micro_rollout(args)  # shard() pads a batch that does not split evenly; gather() drops the padding
     actor_logprobs = actor.call_sharded("logprobs", shard(batch, len(actor), micro))
-    ref_logprobs = ref.call_sharded("logprobs", shard(batch, len(ref), micro)) if ref else None
+    ref_method = "reference_logprobs" if ref is actor else "logprobs"
+    ref_logprobs = ref.call_sharded(ref_method, shard(batch, len(ref), micro)) if ref else None
     critic_values = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
     scores, metrics = scored or score_rollouts(args, roles, prompts, samples, batch, tokenizer, reward_fn)
     metrics = dict(metrics)
@@ -539,7 +567,9 @@ class ModelWorker(RayWorker):
         torch.manual_seed(args.seed)
         config = train_or_eval_config(args, self.world_size, trainable)
         model = load_model(path, config, gradient_checkpointing=args.gradient_checkpointing and trainable,
-                           **model_kwargs)
+                           **model_kwargs, **(lora.load_kwargs(args) if trainable else {}))
+        if trainable:  # with --lora_rank: adapters on the frozen model (a critic's scalar head trains whole)
+            model = lora.wrap(model, args, "SEQ_CLS" if "num_labels" in model_kwargs else "CAUSAL_LM")
         self.tokenizer = load_tokenizer(path)
         if trainable:
             self.engine = init_train_engine(model, config, learning_rate, args.weight_decay, total_steps,
@@ -562,16 +592,26 @@ class ReferenceWorker(ModelWorker):
         self.load(args, path, None)
 
     def _logprobs(self, batch, with_entropy=False):
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             position_ids=batch["position_ids"], use_cache=False).logits[:, :-1]
+        """Log-probs of each next token at --temperature, (batch, seq - 1), and with_entropy the entropy of each
+        next-token distribution too. --packing_samples runs the micro-batch as one row without padding and puts
+        both back in the padded layout."""
+        if self.args.packing_samples:  # (1, total) each; no attention_mask: the restarting position_ids cut it
+            input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])
+            attention_mask = None
+        else:
+            input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+        logits = self.engine(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).logits[:, :-1]
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
-        logprobs = token_logprobs(logits, batch["input_ids"][:, 1:])  # (batch, seq - 1)
-        if not with_entropy:
-            return logprobs
-        # At --entropy_coef 0 the entropy is only logged: with grad, autograd would keep its two fp32
-        # (batch, seq, vocab) intermediates until backward (GBs at a 128k vocabulary) and differentiate through them.
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.args.entropy_coef != 0):
-            return logprobs, entropy_from_logits(logits)  # (batch, seq - 1) each
+        outputs = [token_logprobs(logits, input_ids[:, 1:])]  # (rows, seq - 1)
+        if with_entropy:
+            # At --entropy_coef 0 the entropy is only logged: with grad, autograd would keep its two fp32 (batch,
+            # seq, vocab) intermediates until backward (GBs at a 128k vocabulary) and differentiate through them.
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.args.entropy_coef != 0):
+                outputs.append(entropy_from_logits(logits))  # (rows, seq - 1)
+        if self.args.packing_samples:
+            outputs = [unpack_next_token(o, position_ids, index, batch["input_ids"].shape) for o in outputs]
+        return tuple(outputs) if with_entropy else outputs[0]
 
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
@@ -635,12 +675,19 @@ class ActorWorker(ReferenceWorker):
         return {"policy/loss": mean[0], "policy/clipfrac": mean[1], "policy/approxkl": mean[2],
                 "objective/entropy": mean[3], "policy/lr": self.engine.get_lr()[0]}
 
+    @torch.no_grad()
+    def reference_logprobs(self, batch: dict) -> torch.Tensor:
+        """With --lora_rank the reference is the actor's own frozen model, adapters off: no reference workers."""
+        with lora.reference(self.engine):
+            return self.logprobs(batch)
+
     def init_weight_sync(self, engines: list) -> None:
         self.sync_group = init_weight_sync_group(engines) if self.rank == 0 else None
 
     def sync_weights(self, engines: list) -> dict:
-        """Every rank gathers ZeRO-3 shards (collective); rank 0 broadcasts them to the engines in buckets."""
-        params = iter_gathered_params(self.engine)
+        """Every rank gathers ZeRO-3 shards (collective); rank 0 broadcasts them to the engines in buckets. With LoRA
+        only the adapted layers change, and they are sent merged, W + (alpha / r) B A, as vLLM's model has them."""
+        params = lora.iter_merged_params(self.engine) if self.args.lora_rank else iter_gathered_params(self.engine)
         if self.rank == 0:
             return broadcast_weights_to_vllm(params, engines, self.sync_group)
         for _ in params:
@@ -672,7 +719,7 @@ class RewardModelWorker(ScalarHeadWorker):
 
     @torch.no_grad()
     def scores(self, batch: dict) -> torch.Tensor:
-        """Reward-model scores read at each sequence's last token, (batch,)."""
+        """Reward-model scores read at each sequence's last token, (batch,); padded also with --packing_samples."""
         self.engine.eval()
         return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"],
                                            self._normalizes())
@@ -685,21 +732,28 @@ class CriticWorker(ScalarHeadWorker):
     def setup(self, args: Args, path: str, total_steps: int):
         self.load_scalar(args, path, total_steps, args.critic_learning_rate, "--critic_pretrain")
 
+    def _values(self, batch: dict) -> torch.Tensor:
+        """The value at each position that predicts a next token, (batch, seq - 1), aligned with the log-probs.
+        --packing_samples runs the micro-batch as one row without padding and puts the values back in this layout."""
+        if not self.args.packing_samples:
+            return token_values(self.engine, batch["input_ids"], batch["attention_mask"], self._normalizes())[:, :-1]
+        input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])  # (1, total) each
+        values = packed_token_values(self.engine, input_ids, position_ids, self._normalizes())  # (1, total)
+        return unpack(values, index, batch["input_ids"].shape)[:, :-1]
+
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
         """Critic values for predicting each next token, (batch, seq - 1), aligned with the log-probs."""
         self.engine.eval()
         width = batch["action_mask"].shape[1]
-        return torch.cat([pad_right(token_values(self.engine, mb["input_ids"], mb["attention_mask"],
-                                                 self._normalizes())[:, :-1], width)
-                          for mb in split(batch, micro_rollout(self.args))]).cpu()
+        return torch.cat([pad_right(self._values(mb), width) for mb in split(batch, micro_rollout(self.args))]).cpu()
 
     def fit(self, experience: dict, kl_coef: float = 0.0) -> dict:
         args, stats = self.args, []
         self.engine.train()
         for epoch in range(args.max_epochs):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
-                values = token_values(self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes())[:, :-1]
+                values = self._values(mb)
                 loss = value_loss(values, mb["values"], mb["returns"], mb["action_mask"], args.value_clip)
                 self.engine.backward(loss)
                 self.engine.step()
@@ -821,11 +875,13 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
     reward_paths = args.reward_pretrain or []
     cpus = args.cpus_per_worker
     gpu_layout = {"actor": args.actor_num_workers,
-                  "reference": 0 if args.colocate_actor_ref or args.colocate_all else args.ref_num_workers,
+                  "reference": 0 if args.colocate_actor_ref or args.colocate_all or args.lora_rank
+                  else args.ref_num_workers,
                   "critic": args.critic_num_workers if use_critic and not args.colocate_all else 0,
                   "reward models": 0 if args.colocate_critic_reward or args.colocate_all
                   else args.reward_num_workers * len(reward_paths),
                   "vLLM": 0 if args.colocate_all else args.vllm_num_engines * args.vllm_tensor_parallel_size}
+    lora.check_args(args, gpu=use_gpus())
     check_resources({k: v * (1 if use_gpus() else cpus) for k, v in gpu_layout.items() if v})
     if args.colocate_all and args.vllm_num_engines * args.vllm_tensor_parallel_size != args.actor_num_workers:
         raise UserError("--colocate_all needs vllm_num_engines x vllm_tensor_parallel_size == actor_num_workers.")
@@ -847,9 +903,9 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
     actor_pg = shared or make_placement_group(args.actor_num_workers, cpus, "actor")
     roles = {"actor": WorkerGroup(ActorWorker, actor_pg, shares["actor"], cpus,
                                   (args, args.pretrain, total_actor_steps), role="actor"), "engines": engines}
-    ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
-        args.ref_num_workers, cpus, "reference")
-    if args.init_kl_coef > 0 or args.advantage_estimator in KL_IN_LOSS:
+    if uses_reference(args) and not args.lora_rank:  # with LoRA the actor's frozen base model is the reference
+        ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
+            args.ref_num_workers, cpus, "reference")
         roles["ref"] = WorkerGroup(ReferenceWorker, ref_pg, shares["reference"], cpus, (args, args.pretrain),
                                    role="reference")
     critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
@@ -878,7 +934,7 @@ def role_shares(args: Args) -> dict[str, float]:
 def check_colocation(args: Args, shares: dict[str, float]) -> None:
     """Refuse, before anything is placed, roles colocated on one bundle that ask for more than all of it: Ray would
     start the first ones and leave the last pending forever (e.g. --colocate_critic_reward with 2 reward models)."""
-    uses = {"reference": args.init_kl_coef > 0 or args.advantage_estimator in KL_IN_LOSS,
+    uses = {"reference": uses_reference(args) and not args.lora_rank,
             "critic": args.advantage_estimator == "gae"}
     ref = {"reference": shares["reference"]} if uses["reference"] else {}
     critic = {"critic": shares["critic"]} if uses["critic"] else {}
@@ -1040,7 +1096,7 @@ def resume_settings(args: Args) -> dict:
     names = ["seed", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "actor_num_workers"]
     if args.advantage_estimator == "gae":  # the critic's ZeRO partitioning
         names.append("critic_num_workers")
-    return {f"--{name}": getattr(args, name) for name in names}
+    return {**{f"--{name}": getattr(args, name) for name in names}, **lora.settings(args)}
 
 
 def checkpoint_dir(args: Args) -> str:

@@ -10,12 +10,16 @@ ppo_ray.py and rejection_sampling.py then optimise against its scores.
 
 Implementation details, where they happen below:
   - the model is AutoModelForSequenceClassification with num_labels=1: the causal LM's backbone and a linear
-    score head (new weights) in place of its LM head, so the saved model loads with plain transformers;
+    score head (new weights) in place of its LM head, so the saved model loads with plain transformers; with
+    `--lora_rank` (common/lora.py) the backbone trains adapters on its frozen weights and the head trains whole;
   - every response is ended by an EOS (put back when truncation cuts it off, and what a chat template writes after
     it, such as ChatML's newline, cut off) and the reward is read there, at the last real token
     (common/modeling.py: sequence_rewards), the token sequence ppo_ray.py and rejection_sampling.py score;
     padding must then differ from EOS, so a tokenizer that pads with its EOS is given another pad token;
   - chosen and rejected responses go through the model in one forward pass, as one (2 x pairs, seq) batch;
+  - `--packing_samples` concatenates that batch into one row with no padding; position_ids restart at each sequence
+    so that each one attends only to itself, and the score head reads each one at its own last token
+    (common/modeling.py: packed_sequence_rewards): the rewards and the loss are identical to the padded ones;
   - a "margin" in the data is subtracted inside the loss, as in Llama 2 (Touvron et al. 2023): pairs rated much
     better must be separated by more;
   - a pair whose chosen and rejected texts are identical carries no preference: it is skipped, with a warning;
@@ -37,12 +41,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from common import checkpoint, data
+from common import checkpoint, data, lora
 from common.args import UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import sequence_rewards
+from common.modeling import packed_sequence_rewards, sequence_rewards
 
 
 @dataclass
@@ -99,6 +103,17 @@ class Args:
     """AdamW weight decay (never applied to biases and norms)"""
     grad_clip: float = 1.0
     """clip the gradient norm to this value"""
+    # --- LoRA (peft)
+    lora_rank: int = 0
+    """train LoRA adapters of this rank on the frozen model instead of every weight (0: train every weight)"""
+    lora_alpha: int = 16
+    """LoRA's scale: the adapters' update is multiplied by lora_alpha / lora_rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    target_modules: str = "all-linear"
+    """layers that get adapters: all-linear (every linear layer but the output head) or names, e.g. q_proj,v_proj"""
+    load_in_4bit: bool = False
+    """QLoRA: keep the frozen model in 4 bits (NF4 with bitsandbytes; CUDA only, with --lora_rank)"""
     # --- logging and checkpoints
     logging_steps: int = 1
     """log training metrics every this many steps"""
@@ -117,6 +132,8 @@ class Args:
     # --- reward model
     margin_key: str = "margin"
     """key of an optional per-pair margin the chosen reward must exceed the rejected one by (0 when absent)"""
+    packing_samples: bool = False
+    """pack each micro-batch into one row without padding"""
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
@@ -132,7 +149,10 @@ def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
 
 def forward_rewards(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of the chosen and of the rejected responses, read at each one's final EOS: (pairs,) each."""
-    rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])  # (2 * pairs,)
+    if "position_ids" in batch:  # packed: one row, each sequence read at its own last token
+        rewards = packed_sequence_rewards(model, batch["input_ids"], batch["position_ids"])  # (2 * pairs,)
+    else:
+        rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])  # (2 * pairs,)
     return rewards.chunk(2)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
@@ -144,9 +164,11 @@ def load_pairs(args: Args, tokenizer, source: str, split: str, log=print) -> lis
                                          args.input_template, args.margin_key, end_with_eos=True, log=log)
 
 
-def collate(samples, tokenizer, dev) -> dict:
-    """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch: one forward pass scores both."""
-    batch = data.pad_collate([s["chosen"] for s in samples] + [s["rejected"] for s in samples], tokenizer.pad_token_id)
+def collate(samples, tokenizer, packing: bool, dev) -> dict:
+    """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch or packed into one (1, total) row:
+    one forward pass scores both."""
+    sequences = [s["chosen"] for s in samples] + [s["rejected"] for s in samples]
+    batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
     batch["margin"] = torch.tensor([s["margin"] for s in samples])  # (pairs,)
     return {k: v.to(dev) for k, v in batch.items()}
 
@@ -161,7 +183,7 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
-        batch = collate(chunk, tokenizer, device())
+        batch = collate(chunk, tokenizer, args.packing_samples, device())
         chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
         losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"])
         rewards = torch.cat([chosen_rewards, rejected_rewards])
@@ -181,6 +203,7 @@ def main(args: Args):
     check_model_path(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
+    lora.check_args(args)
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
     launcher_rank = int(os.environ.get("RANK", "0"))
@@ -189,7 +212,7 @@ def main(args: Args):
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
     # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size}
+                "the number of ranks": launcher_world_size, **lora.settings(args)}
     checkpoint.check_resume(ckpt_dir, settings)
     tokenizer = load_tokenizer(args.pretrain)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding
@@ -215,7 +238,8 @@ def main(args: Args):
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
     model = load_model(args.pretrain, config, AutoModelForSequenceClassification, args.gradient_checkpointing,
-                       num_labels=1, pad_token_id=tokenizer.pad_token_id)
+                       num_labels=1, pad_token_id=tokenizer.pad_token_id, **lora.load_kwargs(args))
+    model = lora.wrap(model, args, "SEQ_CLS")  # with --lora_rank: adapters on the backbone, the new head trained whole
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
     state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
@@ -233,7 +257,7 @@ def main(args: Args):
         names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "pairs")  # sums over this step's pairs
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:
-            batch = collate([train_samples[i] for i in indices], tokenizer, device())
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
             chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
             losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"])
             loss = losses.mean()

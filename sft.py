@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common import checkpoint, data
+from common import checkpoint, data, lora
 from common.args import check_causal_lm, check_lengths, check_model_path, check_output_dir, parse_args, run_main
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer)
@@ -84,6 +84,17 @@ class Args:
     """AdamW weight decay (never applied to biases and norms)"""
     grad_clip: float = 1.0
     """clip the gradient norm to this value"""
+    # --- LoRA (peft)
+    lora_rank: int = 0
+    """train LoRA adapters of this rank on the frozen model instead of every weight (0: train every weight)"""
+    lora_alpha: int = 16
+    """LoRA's scale: the adapters' update is multiplied by lora_alpha / lora_rank"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    target_modules: str = "all-linear"
+    """layers that get adapters: all-linear (every linear layer but the output head) or names, e.g. q_proj,v_proj"""
+    load_in_4bit: bool = False
+    """QLoRA: keep the frozen model in 4 bits (NF4 with bitsandbytes; CUDA only, with --lora_rank)"""
     # --- logging and checkpoints
     logging_steps: int = 1
     """log training metrics every this many steps"""
@@ -151,6 +162,7 @@ def main(args: Args):
     check_causal_lm(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
+    lora.check_args(args)
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
     launcher_rank = int(os.environ.get("RANK", "0"))
@@ -159,7 +171,7 @@ def main(args: Args):
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
     # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size}
+                "the number of ranks": launcher_world_size, **lora.settings(args)}
     checkpoint.check_resume(ckpt_dir, settings)
     tokenizer = load_tokenizer(args.pretrain)
 
@@ -183,7 +195,9 @@ def main(args: Args):
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
-    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing)
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
+                       **lora.load_kwargs(args))
+    model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
     state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common import lora
 from common.args import UserError
 
 LATEST = "latest"
@@ -59,6 +60,8 @@ def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict 
     """Save a model (gathered from ZeRO-3 shards) and its tokenizer into out_dir as a Hugging Face folder.
 
     Collective: every rank must call it. `extra_config` entries are stored in config.json (e.g. reward mean/std).
+    A model with LoRA adapters is saved merged, as a plain model of its base class, and its adapter on its own in
+    out_dir/adapter (loads with peft's PeftModel.from_pretrained on the starting model).
     """
     from common.deepspeed_utils import gathered_state_dict  # here: saving training state needs no DeepSpeed import
 
@@ -72,6 +75,9 @@ def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict 
             for key, value in (extra_config or {}).items():
                 setattr(model.config, key, value)
             model.config.use_cache = True  # restored for inference (training turns it off)
+            if lora.is_lora(model):
+                model.save_pretrained(os.path.join(tmp, "adapter"), state_dict=lora.adapter_state_dict(state))
+                model, state = lora.base_model(model), lora.merged_state_dict(state, model)
             model.save_pretrained(tmp, state_dict=state)
             tokenizer.save_pretrained(tmp)
             publish_model_files(tmp, out_dir)

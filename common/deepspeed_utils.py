@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
 from common.args import UserError, check_causal_lm, check_model_path
+from common.lora import dequantized
 from common.net import free_port
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
@@ -248,7 +249,9 @@ def gathered_state_dict(model, rank: int) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
             if rank == 0:
                 for name, p in params:
-                    state[f"{module_name}.{name}" if module_name else name] = p.detach().cpu().clone()
+                    # a QLoRA base weight is packed in 4 bits: saved in full precision
+                    full = dequantized(p, model.dtype)
+                    state[f"{module_name}.{name}" if module_name else name] = full.detach().cpu().clone()
     if rank == 0:
         for name, buf in model.named_buffers():
             if name in model.state_dict():

@@ -12,6 +12,7 @@ as they need it free when they start and wake.
     python ppo_ray.py ... --dry_run          # prints the plan, refuses one that does not fit, starts nothing
 """
 
+import argparse
 import json
 import os
 
@@ -45,13 +46,25 @@ def model_sizes(config: dict) -> dict:
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q and o; k and v
     per_layer = attention + 3 * hidden * config["intermediate_size"] + 2 * hidden  # + gate/up/down, 2 norms
     backbone = vocab * hidden + layers * per_layer + hidden
+    # LoRA's A (r, in) and B (out, r) on every linear layer of a block: r x (in + out) each, at rank 1
+    lora_per_rank = layers * (2 * (hidden + heads * head_dim) + 2 * (hidden + kv_heads * head_dim)
+                              + 3 * (hidden + config["intermediate_size"]))
     return {"causal_lm": backbone + (0 if config.get("tie_word_embeddings") else vocab * hidden),
             "scalar_head": backbone + hidden, "largest_layer": max(vocab * hidden, per_layer),
-            "kv_per_token": 2 * layers * kv_heads * head_dim * 2, "vocab": vocab}
+            "kv_per_token": 2 * layers * kv_heads * head_dim * 2, "vocab": vocab, "lora_per_rank": lora_per_rank}
 
 
-def trained(args, params: int, largest: int, gpus: int) -> dict:
-    """GPU bytes of a trained role's rank: DeepSpeed's estimate of its model states (and the CPU bytes of the role)."""
+def trained(args, params: int, largest: int, gpus: int, lora_per_rank: int = 0) -> dict:
+    """GPU bytes of a trained role's rank: DeepSpeed's estimate of its model states (and the CPU bytes of the role).
+
+    With --lora_rank only the adapters have model states (counted as on every linear layer, the most any
+    --target_modules can give); the frozen weights are bf16, partitioned under ZeRO-3, or 4-bit and whole (QLoRA).
+    """
+    if args.lora_rank:
+        frozen_weights = params // 2 if args.load_in_4bit else 2 * params // (gpus if args.zero_stage == 3 else 1)
+        adapters = trained(argparse.Namespace(**{**vars(args), "lora_rank": 0}), args.lora_rank * lora_per_rank,
+                           0, gpus)
+        return {"frozen weights": frozen_weights, "model states": adapters["model states"], "cpu": adapters["cpu"]}
     if args.zero_stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
@@ -86,13 +99,14 @@ def plan(args) -> dict:
 
     n_actor, engines_gpus = args.actor_num_workers, args.vllm_num_engines * args.vllm_tensor_parallel_size
     groups = {"actor": (n_actor, {"actor": {
-        **trained(args, policy["causal_lm"], policy["largest_layer"], n_actor),
+        **trained(args, policy["causal_lm"], policy["largest_layer"], n_actor, policy["lora_per_rank"]),
         "logits": logits(max(args.micro_train_batch_size, rollout_micro))}})}
 
     def put(group: str, gpus: int, role: str, need: dict) -> None:
         groups.setdefault(group, (gpus, {}))[1][role] = need
 
-    if args.init_kl_coef > 0 or args.advantage_estimator in ("grpo", "dr_grpo"):  # ppo_ray.KL_IN_LOSS
+    # ppo_ray.uses_reference; with LoRA the actor's own frozen weights are the reference
+    if (args.init_kl_coef > 0 or args.advantage_estimator in ("grpo", "dr_grpo")) and not args.lora_rank:
         shared = args.colocate_actor_ref or args.colocate_all
         gpus = n_actor if shared else args.ref_num_workers
         put("actor" if shared else "reference", gpus, "reference",
@@ -103,7 +117,7 @@ def plan(args) -> dict:
     critic_gpus = n_actor if args.colocate_all else args.critic_num_workers
     if use_critic:
         put(critic_group, critic_gpus, "critic", trained(args, critic["scalar_head"], critic["largest_layer"],
-                                                         critic_gpus))
+                                                         critic_gpus, critic["lora_per_rank"]))
     for i, rm in enumerate(rms):
         beside_critic = args.colocate_all or (args.colocate_critic_reward and use_critic)
         gpus = critic_gpus if beside_critic else args.reward_num_workers

@@ -21,6 +21,60 @@ def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None
     return token_logprobs(logits[:, :-1], input_ids[:, 1:])
 
 
+def sequence_sums(values: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum next-token values (entry t is for token t + 1) over each sequence: (rows, seq - 1) -> (sequences,).
+
+    Padded rows (no position_ids) are one sequence each. A packed (1, total) row (common/data.py pack_collate) is cut
+    where its position_ids restart at 0; the entry that predicts a sample's first token from the previous sample's
+    last one crosses the boundary and is dropped (a sample's first token is never in the loss mask either).
+    """
+    if position_ids is None:
+        return values.sum(-1)
+    starts = position_ids[0] == 0  # (total,)
+    sample = starts.long().cumsum(0)[1:] - 1  # (total - 1,): the sample of the token each entry predicts
+    inside = values[0].masked_fill(starts[1:], 0)
+    return inside.new_zeros(int(starts.sum())).index_add(0, sample, inside)
+
+
+def packed_sample_ends(position_ids: torch.Tensor) -> torch.Tensor:
+    """The index of each sample's last token in a packed (1, total) row whose position_ids restart at 0: (samples,)."""
+    starts = (position_ids[0] == 0).nonzero().squeeze(-1)  # (samples,)
+    return torch.cat([starts[1:] - 1, starts.new_tensor([position_ids.shape[1] - 1])])
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """A padded (batch, seq) batch as one packed row: (ids (1, total), position_ids (1, total), index (total,)).
+
+    A row's real tokens are where attention_mask is 1, one span however it is padded (ppo_ray.py's build_batch pads
+    on the right, OpenRLHF left-pads prompts and right-pads responses); they are packed in order, row after row. The
+    position_ids count from 0 in each row, as the padded batch's do, so that each sequence attends to itself only
+    (common/data.py pack_collate). `index` is where each packed token sits in the flattened padded batch: unpack and
+    unpack_next_token put per-token results back there.
+    """
+    index = attention_mask.flatten().nonzero().squeeze(-1)  # (total,)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).flatten()[index]  # (total,)
+    return input_ids.flatten()[index][None], position_ids[None], index
+
+
+def unpack(values: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
+    """Per-token results of a packed (1, total) row in the padded (batch, seq) layout pack_rows took it from, 0 at
+    the padding; gradients flow back to `values`."""
+    return values.new_zeros(shape[0] * shape[1]).index_copy(0, index, values[0]).view(shape)  # (batch, seq)
+
+
+def unpack_next_token(values: torch.Tensor, position_ids: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
+    """Next-token results of a packed row, (1, total - 1) with entry k for token k + 1, in the padded layout
+    (batch, seq - 1) with entry t for token t + 1, 0 at the padding.
+
+    An entry whose next token starts a sequence was computed from the previous sequence's last token: nothing in the
+    padded layout corresponds to it (there that entry predicts padding, or does not exist), so it becomes a 0, as
+    the padding does, and nothing of one sequence reaches another's entries.
+    """
+    crossing = position_ids[0, 1:] == 0  # (total - 1,)
+    at_token = torch.cat([values[0].masked_fill(crossing, 0), values.new_zeros(1)])  # (total,): entry k at token k
+    return unpack(at_token[None], index, shape)[:, :-1]
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution at each position: (batch, seq, vocab) -> (batch, seq)."""
     logp = F.log_softmax(logits.float(), dim=-1)
@@ -50,6 +104,33 @@ def normalize_reward(rewards: torch.Tensor, config) -> torch.Tensor:
     return (rewards - config.reward_mean) / config.reward_std
 
 
+def packed_sequence_rewards(model, input_ids, position_ids) -> torch.Tensor:
+    """The scalar reward of each sample of a packed (1, total) row, read at the sample's own last token: (samples,).
+
+    transformers' sequence-classification pooling reads one position per row, so the score head is applied again to
+    the final hidden states at each sample's last position: the state sequence_rewards reads in a padded batch (the
+    position_ids restarting at 0 keep each sample attending to itself only), so the rewards are the same. The model
+    is called whole, through a DeepSpeed engine's forward (final_hidden_states says why).
+    """
+    hidden = final_hidden_states(model, input_ids=input_ids, position_ids=position_ids)  # (1, total, hidden)
+    _, _, head = scalar_head_parts(model)
+    return head(hidden[0, packed_sample_ends(position_ids)]).squeeze(-1).float()
+
+
+def scalar_head_parts(model):
+    """(model, backbone, head) of an AutoModelForSequenceClassification, also under a DeepSpeed engine (`.module`)
+    and a peft wrapper (`get_base_model()`, whose layers keep their adapters).
+
+    The backbone and the head are called as modules, so ZeRO-3's hooks gather their weights and a head that peft
+    wraps (a trained copy behind ModulesToSaveWrapper) computes as itself.
+    """
+    model = getattr(model, "module", model)
+    if hasattr(model, "get_base_model"):  # peft's PeftModel
+        model = model.get_base_model()
+    backbone = getattr(model, model.base_model_prefix)
+    return model, backbone, model.score if hasattr(model, "score") else model.classifier
+
+
 # ----------------------------------------------------------------------------------------------------- critics
 def token_values(model, input_ids, attention_mask, normalize: bool = False) -> torch.Tensor:
     """A value for every position: the sequence-classification head applied to each hidden state, (batch, seq).
@@ -60,11 +141,30 @@ def token_values(model, input_ids, attention_mask, normalize: bool = False) -> t
     the rewards PPO trains on are normalised, and a critic left on the raw scale would spend many value-clipped
     steps catching up.
     """
-    model = getattr(model, "module", model)
-    backbone = getattr(model, model.base_model_prefix)
-    head = model.score if hasattr(model, "score") else model.classifier
+    base, _, head = scalar_head_parts(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False).last_hidden_state  # (batch, seq, hidden)
+    hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids)  # (batch, seq, hidden)
     values = head(hidden).squeeze(-1).float()
-    return normalize_reward(values, model.config) if normalize else values
+    return normalize_reward(values, base.config) if normalize else values
+
+
+def final_hidden_states(model, **inputs) -> torch.Tensor:
+    """The last layer's hidden states, after the final norm, of a model called whole: (batch, seq, hidden).
+
+    Whole, through a DeepSpeed engine's forward and not its backbone alone: the engine prepares ZeRO's gradient
+    accumulation in its forward (the output hooks that run _backward_prologue, deepspeed/runtime/engine.py). Under
+    ZeRO-3 a critic update whose forwards bypassed it came out different from the same update under ZeRO-0 once a
+    step accumulated two micro-batches (tests/test_gradient_accumulation.py). output_hidden_states names the last
+    layer alone, so transformers keeps no other layer's states.
+    """
+    last_layer = scalar_head_parts(model)[0].config.num_hidden_layers - 1
+    return model(**inputs, output_hidden_states=[last_layer], use_cache=False).hidden_states[-1]
+
+
+def packed_token_values(model, input_ids, position_ids, normalize: bool = False) -> torch.Tensor:
+    """token_values for a packed (1, total) row whose position_ids restart at 0 at each sequence: (1, total)."""
+    base, _, head = scalar_head_parts(model)
+    hidden = final_hidden_states(model, input_ids=input_ids, position_ids=position_ids)  # (1, total, hidden)
+    values = head(hidden).squeeze(-1).float()
+    return normalize_reward(values, base.config) if normalize else values

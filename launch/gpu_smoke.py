@@ -5,6 +5,7 @@ the check on the real thing, a few minutes on a tiny model and the synthetic tas
 
     sft       deepspeed --num_gpus 1 sft.py          bf16, NCCL, flash attention when installed
     dpo       deepspeed --num_gpus 1 dpo.py          a frozen ZeRO-3 reference beside the policy
+    qlora     ... dpo.py --lora_rank --load_in_4bit   QLoRA: a 4-bit base (bitsandbytes), its adapters off as reference
     ppo       python ppo_ray.py                      actor + reference on GPU 0, the vLLM engine on GPU 1 (NCCL sync)
     ppo_all   python ppo_ray.py --colocate_all       everything on one GPU: vLLM's sleep mode, CUDA IPC sync
 
@@ -47,6 +48,10 @@ def commands(out: str, gpus: int) -> list[tuple[str, list[str]]]:
         ("dpo", [*DEEPSPEED_1, "dpo.py", "--pretrain", sft, "--dataset", data["pref_train"], "--apply_chat_template",
                  "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_steps", "2",
                  "--output_dir", os.path.join(out, "dpo")]),
+        ("qlora", [*DEEPSPEED_1, "dpo.py", "--pretrain", sft, "--dataset", data["pref_train"], "--apply_chat_template",
+                   "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_steps", "2",
+                   "--lora_rank", "16", "--load_in_4bit", "--zero_stage", "2", "--output_dir",
+                   os.path.join(out, "qlora")]),
     ]
     if gpus >= 2:
         stages.append(("ppo", [*ppo, "--colocate_actor_ref", "--output_dir", os.path.join(out, "ppo")]))

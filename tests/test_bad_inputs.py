@@ -446,19 +446,19 @@ def losses(out: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,sig,nprocs", [
-    ("sft", signal.SIGINT, 2),  # Ctrl-C in the terminal of `deepspeed --num_gpus 2 sft.py`
-    ("rm", signal.SIGTERM, 1),  # a scheduler's stop
-    ("dpo", signal.SIGINT, 1),
-    ("kto", signal.SIGTERM, 1),
-])
-def test_a_stopped_trainer_says_what_survives_and_its_rerun_repeats_the_same_losses(script, sig, nprocs, tiny_model,
-                                                                                     task, tmp_path):
+@pytest.mark.parametrize("script,sig,nprocs,extra", [
+    ("sft", signal.SIGINT, 2, ()),  # Ctrl-C in the terminal of `deepspeed --num_gpus 2 sft.py`
+    ("rm", signal.SIGTERM, 1, ()),  # a scheduler's stop
+    ("dpo", signal.SIGINT, 1, ()),
+    ("kto", signal.SIGTERM, 1, ("--lora_rank", "8")),  # LoRA: the adapters and their optimizer state resume
+], ids=["sft-SIGINT-2", "rm-SIGTERM-1", "dpo-SIGINT-1", "kto-SIGTERM-1-lora"])
+def test_a_stopped_trainer_says_what_survives_and_its_rerun_repeats_the_same_losses(script, sig, nprocs, extra,
+                                                                                     tiny_model, task, tmp_path):
     """Stopped a step or more after a checkpoint: one sentence naming it, and the rerun of the same command resumes
     there and trains the steps the stopped run had already logged to the same losses."""
     out = str(tmp_path / script)
     argv = command(script, tiny_model, task, out, "--train_batch_size", "8", "--micro_train_batch_size", "4",
-                   "--max_steps", "400", "--save_steps", "5", "--logging_steps", "1")
+                   "--max_steps", "400", "--save_steps", "5", "--logging_steps", "1", *extra)
     proc = run_script(f"{script}.py", argv, nprocs=nprocs, background=True)
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline and not (
@@ -493,6 +493,10 @@ def test_a_stopped_trainer_says_what_survives_and_its_rerun_repeats_the_same_los
     after = losses(out)
     for step in range(latest + 1, max(before) + 1):
         assert after[step] == pytest.approx(before[step], rel=1e-4), (step, before, after)  # as test_sft's
+    if "--lora_rank" in argv:  # adapters of another rank would not fit the checkpoint: refused before loading
+        argv[argv.index("--lora_rank") + 1] = "4"
+        refused = run_script(f"{script}.py", argv, check=False)
+        assert refused.returncode == 2 and "holds a run made with --lora_rank 8, not 4" in refused.stderr, refused
 
 
 def stop_ppo_ray(argv: list[str], out: str, stop) -> tuple[int, str, int]:

@@ -215,7 +215,7 @@ def test_the_checker_catches_stale_flags(tmp_path):
         '    --zero_stage three "$@"\n'
         'python ppo_ray.py --advantage_estimator ppo --reward_pretrain a b && echo --done\n'
         'srun bash -c "python kto.py --beta=0.1 --stale_kto_flag" > log\n'
-        'python rejection_sampling.py --mode dpo_pairs --train_args "--beta 0.1 --packing_samples"\n'
+        'python rejection_sampling.py --mode dpo_pairs --train_args "--beta 0.1 --stale_dpo_flag"\n'
         'cp dpo.py my_dpo.py --not_run\n'
     )
     found, problems = check_file(str(recipe))
@@ -226,5 +226,5 @@ def test_the_checker_catches_stale_flags(tmp_path):
         "ppo_ray.py --advantage_estimator 'ppo' is not one of ['gae', 'reinforce++', 'reinforce++-baseline', 'grpo', "
         "'dr_grpo', 'rloo']",
         "kto.py has no flag --stale_kto_flag",
-        "--train_args: dpo.py has no flag --packing_samples",
+        "--train_args: dpo.py has no flag --stale_dpo_flag",
     ]

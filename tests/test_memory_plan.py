@@ -48,6 +48,21 @@ def test_every_recipe_fits_its_gpus(name, nodes, flags):
     assert sum(gpus for gpus, _ in groups.values()) == 8 * nodes, memory_plan.describe(args, groups)
 
 
+def test_lora_plans_the_adapters_states_and_no_reference():
+    """--lora_rank 16 on the 70B recipe: each actor GPU holds its bf16 shard of the frozen weights and the states of
+    the adapters alone, and no reference model is planned (the actor with its adapters off is the reference)."""
+    name, _, flags = next(r for r in RECIPES if "70b" in r[0])
+    full, lora = (memory_plan.plan(recipe_args(name, flags, **changes)) for changes in ({}, {"lora_rank": 16}))
+    assert any("reference" in roles for _, roles in full.values())
+    assert not any("reference" in roles for _, roles in lora.values())
+    gpus, roles = lora["actor"]
+    assert roles["actor"]["frozen weights"] == 2 * 70_553_706_496 // gpus
+    assert roles["actor"]["model states"] < full["actor"][1]["actor"]["model states"] / 100
+    # peft's count for rank 16 on every linear layer of Llama-3-8B
+    assert 16 * memory_plan.model_sizes(memory_plan.read_config(LLAMA["8B"], "--pretrain"))["lora_per_rank"] \
+        == 41_943_040
+
+
 def test_the_old_70b_vllm_layout_is_refused_in_one_sentence():
     name, _, flags = next(r for r in RECIPES if "70b" in r[0])
     args = recipe_args(name, flags, vllm_num_engines=2, vllm_tensor_parallel_size=2)

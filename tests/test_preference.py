@@ -155,6 +155,7 @@ def test_dpo_reference_with_another_tokenizer_is_one_sentence(tiny_model, task, 
 # ------------------------------------------------------------------------------------ 2-rank ZeRO-3 runs
 RUN_ARGS = ["--apply_chat_template", "--max_len", "64", "--zero_stage", "3", "--train_batch_size", "32",
             "--micro_train_batch_size", "16", "--logging_steps", "1", "--seed", str(SEED)]
+LORA_ARGS = ["--lora_rank", "16", "--lora_alpha", "32"]  # and a learning rate about 10x full fine-tuning's
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +172,24 @@ def test_rm_ranks_right_answers_above_worse_ones_and_loads_with_plain_transforme
     run_script("rm.py", ["--pretrain", sft_model, "--dataset", task["pref_train"], "--eval_dataset",
                          task["pref_eval"], *RUN_ARGS, "--max_epochs", "2", "--learning_rate", "1e-4",
                          "--output_dir", out], nprocs=2)
+    expect_reward_model("rm", out, task)
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+def test_rm_with_lora_ranks_right_answers_above_worse_ones(sft_model, task, tmp_path):
+    """rm.py with LoRA adapters on the backbone and the new score head trained whole (one rank): the same checks,
+    on the merged model it saves."""
+    out = str(tmp_path / "rm_lora")
+    run_script("rm.py", ["--pretrain", sft_model, "--dataset", task["pref_train"], "--eval_dataset",
+                         task["pref_eval"], *RUN_ARGS, "--max_steps", "80", "--learning_rate", "1e-3",
+                         *LORA_ARGS, "--output_dir", out])
+    expect_reward_model("rm lora", out, task)
+
+
+def expect_reward_model(name: str, out: str, task: dict) -> None:
     log = metrics(out)
-    expect("rm: eval pair accuracy", log[-1]["eval/accuracy"], ">=", 0.7)  # chance: 0.5
+    expect(f"{name}: eval pair accuracy", log[-1]["eval/accuracy"], ">=", 0.7)  # chance: 0.5
 
     # Held-out problems, each answered right, with the refusal and with a number 30 above, scored with transformers
     # alone: right-padded with the saved tokenizer, read at the last token that is not padding.
@@ -183,8 +200,8 @@ def test_rm_ranks_right_answers_above_worse_ones_and_loads_with_plain_transforme
     texts = [chat(tokenizer, p["prompt"], a) for p in problems for a in answers(p)]
     rewards = score(model, tokenizer, texts).view(len(problems), 3)  # (problem, [right, refusal, far off])
     ranked_right = (rewards[:, :1] > rewards[:, 1:]).float().mean(0)  # (wrong answer,)
-    expect("rm: right sum ranked above the refusal", ranked_right[0].item(), ">=", 0.75)
-    expect("rm: right sum ranked above a sum 30 too high", ranked_right[1].item(), ">=", 0.7)
+    expect(f"{name}: right sum ranked above the refusal", ranked_right[0].item(), ">=", 0.75)
+    expect(f"{name}: right sum ranked above a sum 30 too high", ranked_right[1].item(), ">=", 0.7)
 
     # The mean and std stored in config.json normalise the eval set's rewards to mean 0 and std 1.
     pairs = data.load_records(task["pref_eval"])
@@ -217,13 +234,30 @@ def test_dpo_raises_implicit_reward_accuracy_and_task_accuracy(sft_model, sft_sc
                                    *RUN_ARGS, "--max_steps", "60", "--learning_rate", "1e-4", "--beta", "0.1",
                                    "--nll_loss_coef", "1", "--output_dir", out], nprocs=2)
     assert f"skipped 8 of {len(rows) + 8} pairs whose 'chosen' and 'rejected' are identical" in result.stdout
+    expect_dpo_learned("dpo", out, sft_scores, task)
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+def test_dpo_with_lora_takes_its_base_model_as_the_reference_and_learns(sft_model, sft_scores, task, tmp_path):
+    """DPO with LoRA adapters (one rank): no reference model is loaded, the policy with its adapters off is the
+    reference, so every implicit reward starts at exactly 0, and the run learns as full fine-tuning does."""
+    out = str(tmp_path / "dpo_lora")
+    result = run_script("dpo.py", ["--pretrain", sft_model, "--dataset", task["pref_train"], "--eval_dataset",
+                                   task["pref_eval"], *RUN_ARGS, "--max_steps", "60", "--learning_rate", "1e-3",
+                                   "--beta", "0.1", "--nll_loss_coef", "1", *LORA_ARGS, "--output_dir", out])
+    assert "the reference is the policy with its adapters off" in result.stdout
+    expect_dpo_learned("dpo lora", out, sft_scores, task)
+
+
+def expect_dpo_learned(name: str, out: str, sft_scores: dict, task: dict) -> None:
     log = metrics(out)
     assert log[0]["rewards/accuracies"] == 0.0  # the policy starts as the reference: every implicit reward is 0
     assert 0 < log[-2]["perf/ref_forward_share"] < 1
-    expect("dpo: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.7)  # chance 0.5
+    expect(f"{name}: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.7)  # chance 0.5
     after = task_scores(out, task["prompts_eval"])
-    expect("dpo: share answered", after["answered"], ">=", 0.75)
-    expect("dpo: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.1)
+    expect(f"{name}: share answered", after["answered"], ">=", 0.75)
+    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.1)
 
 
 @pytest.mark.slow
@@ -232,17 +266,38 @@ def test_kto_raises_implicit_reward_accuracy_and_task_accuracy(sft_model, sft_sc
     """KTO on unpaired feedback: half the responses are right sums (desirable), half refusals or wrong answers.
     --desirable_weight 1.33 puts lambda_D n_D / (lambda_U n_U) near 1.3, inside the paper's advised 1 to 4/3."""
     out = str(tmp_path / "kto")
-    pairs = data.load_records(task["pref_eval"])  # held-out: each right answer desirable, each worse one not
-    eval_rows = [{"prompt": r["prompt"], "response": r[side], "label": side == "chosen"}
-                 for r in pairs for side in ("chosen", "rejected")]
-    eval_dataset = _write_jsonl(tmp_path / "kto_eval.jsonl", eval_rows)
-    run_script("kto.py", ["--pretrain", sft_model, "--dataset", task["kto_train"], "--eval_dataset", eval_dataset,
-                          *RUN_ARGS, "--max_steps", "60", "--learning_rate", "2e-4", "--beta", "0.1",
-                          "--desirable_weight", "1.33", "--output_dir", out], nprocs=2)
+    run_script("kto.py", ["--pretrain", sft_model, "--dataset", task["kto_train"], "--eval_dataset",
+                          kto_eval_dataset(task, tmp_path), *RUN_ARGS, "--max_steps", "60", "--learning_rate", "2e-4",
+                          "--beta", "0.1", "--desirable_weight", "1.33", "--output_dir", out], nprocs=2)
+    expect_kto_learned("kto", out, sft_scores, task)
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+def test_kto_with_lora_takes_its_base_model_as_the_reference_and_learns(sft_model, sft_scores, task, tmp_path):
+    """KTO with LoRA adapters (one rank), the policy with its adapters off as the reference: the same checks."""
+    out = str(tmp_path / "kto_lora")
+    result = run_script("kto.py", ["--pretrain", sft_model, "--dataset", task["kto_train"], "--eval_dataset",
+                                   kto_eval_dataset(task, tmp_path), *RUN_ARGS, "--max_steps", "60",
+                                   "--learning_rate", "2e-3", "--beta", "0.1", "--desirable_weight", "1.33",
+                                   *LORA_ARGS, "--output_dir", out])
+    assert "the reference is the policy with its adapters off" in result.stdout
+    expect_kto_learned("kto lora", out, sft_scores, task)
+
+
+def kto_eval_dataset(task: dict, tmp_path) -> str:
+    """Held-out feedback: each pair's right answer desirable, its worse one not."""
+    pairs = data.load_records(task["pref_eval"])
+    rows = [{"prompt": r["prompt"], "response": r[side], "label": side == "chosen"}
+            for r in pairs for side in ("chosen", "rejected")]
+    return _write_jsonl(tmp_path / "kto_eval.jsonl", rows)
+
+
+def expect_kto_learned(name: str, out: str, sft_scores: dict, task: dict) -> None:
     log = metrics(out)
     assert log[0]["rewards/accuracies"] == 0.0  # the policy starts as the reference: every implicit reward is 0
     assert min(m["objective/kl"] for m in log if "objective/kl" in m) >= 0  # the reference point is clamped at 0
-    expect("kto: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.62)  # chance 0.5
+    expect(f"{name}: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.62)  # chance 0.5
     after = task_scores(out, task["prompts_eval"])
-    expect("kto: share answered", after["answered"], ">=", 0.75)
-    expect("kto: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.08)
+    expect(f"{name}: share answered", after["answered"], ">=", 0.75)
+    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.08)

@@ -50,7 +50,7 @@ def rm_training_sequence(path, tmp_path, apply_chat_template) -> list[int]:
     args = rm.Args(pretrain=path, dataset=str(dataset), apply_chat_template=apply_chat_template,
                    input_template=None if apply_chat_template else "Q: {} A: ", max_len=64)
     samples = rm.load_pairs(args, tokenizer, str(dataset), "train", log=lambda msg: None)
-    batch = rm.collate(samples, tokenizer, "cpu")  # chosen rows first
+    batch = rm.collate(samples, tokenizer, False, "cpu")  # chosen rows first
     return read_sequences(batch["input_ids"], batch["attention_mask"])[0]
 
 

@@ -7,8 +7,12 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import ROOT, expect, kill_group, metrics, run_script
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common import data
+from common.modeling import next_token_logprobs
 from common.task_eval import greedy_responses, task_scores
 
 
@@ -44,6 +48,45 @@ def test_two_rank_zero3_sft_learns_and_saves_a_model_transformers_and_vllm_agree
     assert result.returncode == 0, result.stderr[-3000:]
     vllm = json.loads(result.stdout.strip().splitlines()[-1])["responses"]
     assert vllm == hf
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+def test_two_rank_zero3_sft_with_lora_learns_and_saves_the_merged_model_and_its_adapter(sft_model, task, tmp_path):
+    """LoRA SFT of the SFT model on the right answers alone (the preference pairs' chosen side), ZeRO-3 on 2 ranks:
+    it stops refusing and answers more sums right. The saved folder is the merged model, which plain transformers
+    loads and which scores the eval set exactly as the run did, and beside it the adapter, which gives the same
+    model on top of the starting one."""
+    out = str(tmp_path / "sft_lora")
+    run_script("sft.py", ["--pretrain", sft_model, "--dataset", task["pref_train"], "--eval_dataset",
+                          task["pref_eval"], "--output_key", "chosen", "--apply_chat_template", "--max_len", "64",
+                          "--max_steps", "60", "--train_batch_size", "32", "--micro_train_batch_size", "16",
+                          "--learning_rate", "2e-3", "--zero_stage", "3", "--lora_rank", "16", "--lora_alpha", "32",
+                          "--output_dir", out], nprocs=2)
+    before, after = (task_scores(m, task["prompts_eval"]) for m in (sft_model, out))
+    expect("sft lora: share answered", after["answered"], ">=", 0.9)
+    expect("sft lora: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.15)
+
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    start = AutoModelForCausalLM.from_pretrained(sft_model).eval()
+    assert torch.equal(merged.model.embed_tokens.weight, start.model.embed_tokens.weight)  # frozen
+    # The eval loss the run computed in memory after its last step, recomputed from the saved model alone.
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    samples = data.build_sft_samples(data.load_records(task["pref_eval"]), tokenizer, task["pref_eval"], "prompt",
+                                     "chosen", 64, apply_chat_template=True, log=lambda msg: None)
+    batch = data.pad_collate(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs = next_token_logprobs(merged, batch["input_ids"], batch["attention_mask"])
+    mask = batch["loss_mask"][:, 1:].float()
+    recomputed = (-(logprobs * mask).sum() / mask.sum()).item()
+    assert abs(recomputed - metrics(out)[-1]["eval/loss"]) < 1e-4, (recomputed, metrics(out)[-1])
+
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(start, os.path.join(out, "adapter")).eval()
+    ids = batch["input_ids"][:8]
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def logged_losses(out: str) -> dict[int, float]:

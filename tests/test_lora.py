@@ -1,0 +1,139 @@
+"""LoRA (common/lora.py): the merged weights are the adapted model's, the reference is the base model, and the LoRA
+flags that cannot work are refused in one sentence."""
+
+import copy
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from common import lora
+from common.args import UserError
+from common.tiny_model import write_tiny_model
+
+VARIANTS = {
+    "llama": {},  # untied, grouped-query attention, no biases
+    "qwen2 tied": {"architecture": "qwen2", "tie_word_embeddings": True},  # and q/k/v biases
+}
+
+
+def lora_args(**overrides):
+    values = {"lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear",
+              "load_in_4bit": False, "zero_stage": 3}
+    return types.SimpleNamespace(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def model_dir(request, tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("lora_model")), seed=0, **VARIANTS[request.param])
+
+
+def trained_adapter(model_class, path, task_type, **kwargs):
+    """The model with adapters whose B matrices are random, as after training (fresh ones are zero)."""
+    torch.manual_seed(0)
+    model = lora.wrap(model_class.from_pretrained(path, **kwargs), lora_args(), task_type)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name or ".modules_to_save." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("head", ["causal lm", "scalar head"])
+def test_merged_model_computes_what_the_adapted_model_computes(model_dir, head, tmp_path):
+    """The state dict the trainers save, loaded into a plain transformers model, gives the adapted model's outputs."""
+    model_class = AutoModelForCausalLM if head == "causal lm" else AutoModelForSequenceClassification
+    kwargs = {} if head == "causal lm" else {"num_labels": 1}
+    task_type = "CAUSAL_LM" if head == "causal lm" else "SEQ_CLS"
+    model = trained_adapter(model_class, model_dir, task_type, **kwargs)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n or ".modules_to_save." in n for n in trainable)
+
+    merged = lora.merged_state_dict({k: v.clone() for k, v in model.state_dict().items()}, model)
+    plain = model_class.from_pretrained(model_dir, **kwargs).eval()
+    missing, unexpected = plain.load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
+    ids = torch.randint(3, 300, (3, 17))
+    with torch.no_grad():
+        adapted, base = model(input_ids=ids).logits, plain(input_ids=ids).logits
+        torch.testing.assert_close(base, adapted, atol=1e-5, rtol=1e-5)
+        with lora.reference(model):  # adapters off: the model it started from
+            reference = model(input_ids=ids).logits
+        start = model_class.from_pretrained(model_dir, **kwargs).eval()
+        if head == "causal lm":  # a fresh scalar head is random, so only the LM compares
+            torch.testing.assert_close(reference, start(input_ids=ids).logits)
+    assert (adapted - reference).abs().max() > 1e-3  # the adapters do change the model
+
+    # peft's own merge agrees (a second opinion on the arithmetic, fan-in/fan-out and scaling included)
+    peft_merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, peft_merged[name], atol=1e-6, rtol=1e-6)
+
+
+def test_the_sync_sends_the_merged_weights_of_the_adapted_layers(model_dir):
+    model = trained_adapter(AutoModelForCausalLM, model_dir, "CAUSAL_LM")
+    merged = lora.merged_state_dict(dict(model.state_dict()), model)
+    sent = dict(lora.iter_merged_params(model))
+    linear = [n for n, m in lora.base_model(model).named_modules() if ".layers." in n and n.endswith("_proj")]
+    assert sorted(sent) == sorted(f"{n}.weight" for n in linear)  # every linear layer but the output head
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, merged[name])
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"lora_rank": -1}, "--lora_rank must be 0"),
+    ({"lora_alpha": 0}, "--lora_alpha must be positive"),
+    ({"lora_dropout": 1.0}, "--lora_dropout must be in [0, 1)"),
+    ({"lora_rank": 0, "load_in_4bit": True}, "give --lora_rank too"),
+    ({"load_in_4bit": True}, "--load_in_4bit needs a CUDA GPU"),
+])
+def test_lora_flags_that_cannot_work_are_one_sentence(overrides, words):
+    if torch.cuda.is_available() and "CUDA" in words:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UserError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        lora.check_args(lora_args(**overrides))
+
+
+def test_target_modules_the_model_lacks_are_named_with_the_ones_it_has(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(UserError, match=r"--target_modules c_attn: .* some of this model's linear layers: .*q_proj"):
+        lora.wrap(model, lora_args(target_modules="c_attn"))
+    assert lora.wrap(model, lora_args(lora_rank=0)) is model
+
+
+def test_a_qlora_model_is_saved_dequantized_and_merged(model_dir, tmp_path):
+    """QLoRA's save path, run on CPU (bitsandbytes has CPU kernels, though the scripts refuse 4-bit without a GPU,
+    where it pays): the 4-bit base weights are dequantized and merged, so the saved full-precision model computes
+    what the adapted 4-bit model computes."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is installed on CUDA machines (requirements.txt)")
+    from transformers import BitsAndBytesConfig
+
+    from common.deepspeed_utils import gathered_state_dict
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, device_map={"": "cpu"})
+    model = lora.wrap(model, lora_args(zero_stage=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+    # Before any forward: bitsandbytes' CPU backend repacks a 4-bit weight for its own kernel at the first one.
+    merged = lora.merged_state_dict(gathered_state_dict(model, rank=0), model)
+    for name, tensor in lora.iter_merged_params(model):  # what the weight sync to vLLM sends
+        torch.testing.assert_close(tensor, merged[name])
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    missing, unexpected = plain.load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    q_proj = lora.base_model(model).model.layers[0].self_attn.q_proj.base_layer.weight
+    assert q_proj.dtype == torch.uint8 and merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+    ids = torch.randint(3, 300, (2, 11))
+    with torch.no_grad():
+        adapted, saved = model(input_ids=ids).logits, plain(input_ids=ids).logits
+        with lora.reference(model):
+            base = model(input_ids=ids).logits
+    # bitsandbytes' CPU matmul rounds (a dequantized copy of the 4-bit model, without adapters, is as far from it),
+    # so the merged model is held to carrying nearly all of the adapters' effect rather than to float rounding.
+    assert (saved - adapted).abs().max() < 0.05 * (base - adapted).abs().max()

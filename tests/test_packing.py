@@ -1,0 +1,234 @@
+"""--packing_samples in rm.py, dpo.py and kto.py: a packed micro-batch gives the padded batch's per-sequence rewards
+or log-probs, loss and gradients, on the default tiny model and on a tied-embedding Qwen2 with ChatML; a packed row
+whose samples can see each other does not, which shows these comparisons can fail."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import dpo
+import kto
+import rm
+from common import data
+from common.modeling import packed_sample_ends, scalar_head_parts, sequence_rewards, sequence_sums
+from common.net import free_port
+from common.tiny_model import write_tiny_model
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2 tied, chatml"])
+def model_dir(request, tiny_model, tmp_path_factory) -> str:
+    if request.param == "llama":
+        return tiny_model
+    # A Qwen2 always has q/k/v biases (build_model refuses attention_bias for it).
+    return write_tiny_model(str(tmp_path_factory.mktemp("tied_model")), seed=0, architecture="qwen2",
+                            tie_word_embeddings=True, chat_format="chatml")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def pair_rows(n: int = 5) -> list[dict]:
+    """Preference rows whose prompts and responses all differ in length."""
+    return [{"prompt": f"What is {a}+{2 * a + 1}?" + " Think it over." * (a % 4),
+             "chosen": f"{3 * a + 1}" + " is the sum" * (a % 3), "rejected": "No idea" + "!" * (5 * a % 7)}
+            for a in range(n)]
+
+
+def policy_and_reference(model_dir):
+    """The reference as saved and a policy moved away from it, so that the log-ratios are not all 0."""
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return policy, reference
+
+
+def gradients(model) -> torch.Tensor:
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad()
+    return grads
+
+
+def leaky(packed: dict) -> dict:
+    """The packed row with a causal mask over all of it: each sample attends to the samples before it."""
+    return {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}
+
+
+class EngineLike(torch.nn.Module):
+    """Stands in for a DeepSpeed engine: the model under `.module`, and a forward that counts its calls. An engine
+    does its gradient-accumulation bookkeeping in its forward; under ZeRO-3 a forward that bypasses it (the backbone
+    called directly) makes each micro-batch's gradient replace the one before instead of adding to it."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.calls = module, 0
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        return self.module(**kwargs)
+
+
+def assert_leaks(leaked: torch.Tensor, expected: torch.Tensor) -> None:
+    """The first sample of the row has nothing before it to see; the others are clearly off."""
+    assert (leaked[0] - expected[0]).abs() < 1e-5
+    assert (leaked[1:] - expected[1:]).abs().median() > 1e-3
+
+
+def assert_packed_row(padded: dict, packed: dict) -> None:
+    """One row holding exactly the padded batch's real tokens, each sample's first token out of the loss mask (so
+    that nothing is trained on a prediction made across a boundary)."""
+    assert packed["input_ids"].shape == (1, padded["attention_mask"].sum())
+    assert (packed["loss_mask"][0, packed["position_ids"][0] == 0] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def test_sequence_sums_cut_a_packed_row_at_each_restart_and_drop_the_boundary_entry():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    values = torch.arange(1.0, 9.0)[None]  # entry t is for token t + 1: 3 and 5 predict across a boundary
+    assert sequence_sums(values, position_ids).tolist() == [1 + 2, 4, 6 + 7 + 8]
+    assert sequence_sums(values.view(2, 4)).tolist() == [10, 26]  # padded rows: one sequence each
+    assert packed_sample_ends(position_ids).tolist() == [2, 4, 8]
+
+
+# --------------------------------------------------------------------------------------------------------- rm
+def test_rm_packed_rewards_loss_and_gradients_equal_padded(model_dir, tokenizer, tmp_path):
+    dataset = tmp_path / "pairs.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in pair_rows()))
+    args = rm.Args(pretrain=model_dir, dataset=str(dataset), apply_chat_template=True, max_len=MAX_LEN)
+    samples = rm.load_pairs(args, tokenizer, str(dataset), "train", log=lambda msg: None)
+    torch.manual_seed(0)  # the score head is new weights
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32,
+                                                               pad_token_id=tokenizer.pad_token_id)
+    padded, packed = (rm.collate(samples, tokenizer, packing, "cpu") for packing in (False, True))
+    assert_packed_row(padded, packed)
+    ends = packed["input_ids"][0, packed_sample_ends(packed["position_ids"])]
+    assert (ends == tokenizer.eos_token_id).all()  # each sequence is read at its own EOS
+
+    rewards, losses, grads = [], [], []
+    for batch in (padded, packed):
+        chosen, rejected = rm.forward_rewards(model, batch)
+        loss = rm.pairwise_loss(chosen, rejected, batch["margin"]).mean()
+        loss.backward()
+        rewards.append(torch.cat([chosen, rejected]).detach())
+        losses.append(loss.item())
+        grads.append(gradients(model))
+    torch.testing.assert_close(rewards[1], rewards[0], rtol=0, atol=1e-5)
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    engine = EngineLike(model)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(rm.forward_rewards(engine, packed)), rewards[0], rtol=0, atol=1e-5)
+    assert engine.calls == 1  # through the engine's forward, not around it
+
+    # The same row and read-out with a causal mask over the whole row: every sample but the first scores differently.
+    _, backbone, head = scalar_head_parts(model)
+    with torch.no_grad():
+        hidden = backbone(input_ids=packed["input_ids"], attention_mask=leaky(packed)["attention_mask"],
+                          position_ids=packed["position_ids"], use_cache=False).last_hidden_state
+        leaked = head(hidden[0, packed_sample_ends(packed["position_ids"])]).squeeze(-1)
+    assert_leaks(leaked, rewards[0])
+
+
+def test_rm_packed_rewards_through_an_engine_over_a_peft_lora_model_equal_padded(tiny_model):
+    """LoRA (peft) wraps the model and its score head (ModulesToSaveWrapper), and DeepSpeed wraps that: the packed
+    path reaches through both."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    samples = data.build_preference_samples(pair_rows(), tokenizer, "pairs.jsonl", "prompt", "chosen", "rejected",
+                                            MAX_LEN, apply_chat_template=True, end_with_eos=True, log=lambda m: None)
+    torch.manual_seed(0)
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32,
+                                                              pad_token_id=tokenizer.pad_token_id)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            task_type="SEQ_CLS"))
+    with torch.no_grad():  # adapters and a head as after training (fresh B matrices are 0)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name or ".modules_to_save." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    padded, packed = (rm.collate(samples, tokenizer, packing, "cpu") for packing in (False, True))
+    with torch.no_grad():
+        expected = sequence_rewards(model, padded["input_ids"], padded["attention_mask"])  # peft's own forward
+        with model.disable_adapter():
+            unadapted = sequence_rewards(model, padded["input_ids"], padded["attention_mask"])
+        got = torch.cat(rm.forward_rewards(EngineLike(model), packed))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert (got - unadapted).abs().max() > 1e-3  # the adapters and the trained head took part
+
+
+# -------------------------------------------------------------------------------------------------------- dpo
+def test_dpo_packed_logps_loss_and_gradients_equal_padded(model_dir, tokenizer):
+    samples = data.build_preference_samples(pair_rows(), tokenizer, "pairs.jsonl", "prompt", "chosen", "rejected",
+                                            MAX_LEN, apply_chat_template=True, log=lambda m: None)
+    policy, reference = policy_and_reference(model_dir)
+    padded, packed = (dpo.collate(samples, tokenizer, packing, "cpu") for packing in (False, True))
+    assert_packed_row(padded, packed)
+
+    logps, losses, grads, chosen_tokens = [], [], [], []
+    for batch in (padded, packed):
+        with torch.no_grad():
+            ref_chosen, ref_rejected = dpo.forward_logps(reference, batch)
+        chosen, rejected = dpo.forward_logps(policy, batch)
+        step_losses, _, _ = dpo.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1)
+        step_losses.mean().backward()
+        logps.append(torch.cat([chosen, rejected, ref_chosen, ref_rejected]).detach())
+        losses.append(step_losses.detach())
+        grads.append(gradients(policy))
+        # the NLL term's token count, as dpo.py's main() takes it
+        chosen_tokens.append(sequence_sums(batch["loss_mask"][:, 1:], batch.get("position_ids"))[: len(samples)])
+    torch.testing.assert_close(logps[1], logps[0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    assert chosen_tokens[1].tolist() == chosen_tokens[0].tolist() == [sum(s["chosen"]["loss_mask"]) for s in samples]
+    assert (losses[0] - losses[0].mean()).abs().max() > 1e-3  # the pairs differ: the comparison is not of constants
+
+    with torch.no_grad():
+        leaked = torch.cat(dpo.forward_logps(policy, leaky(packed)))
+    assert_leaks(leaked, logps[0][: 2 * len(samples)])
+
+
+# -------------------------------------------------------------------------------------------------------- kto
+@pytest.fixture
+def one_rank_group():
+    """kl_reference_point averages across ranks: a world of one."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_kto_packed_logps_loss_and_gradients_equal_padded(model_dir, tokenizer, one_rank_group):
+    rows = [{"prompt": r["prompt"], "response": r["chosen"] if i % 2 else r["rejected"], "label": bool(i % 2)}
+            for i, r in enumerate(pair_rows(6))]
+    samples = data.build_kto_samples(rows, tokenizer, "kto.jsonl", "prompt", "response", "label", MAX_LEN,
+                                     apply_chat_template=True, log=lambda m: None)
+    policy, reference = policy_and_reference(model_dir)
+    padded, packed = (kto.collate(samples, tokenizer, MAX_LEN, packing, "cpu") for packing in (False, True))
+    assert_packed_row(padded, packed)  # the mismatched pairs' first tokens too
+
+    logps, losses, grads = [], [], []
+    for batch in (padded, packed):
+        with torch.no_grad():
+            ref_logps, ref_kl_logps = kto.forward_logps(reference, batch)
+        policy_logps, kl_logps = kto.forward_logps(policy, batch)
+        kl = kto.kl_reference_point(kl_logps, ref_kl_logps)
+        step_losses, _ = kto.kto_loss(policy_logps, ref_logps, batch["labels"], kl, beta=0.1)
+        step_losses.mean().backward()
+        logps.append(torch.cat([policy_logps, kl_logps, ref_logps, ref_kl_logps]).detach())
+        losses.append(torch.cat([step_losses.detach(), kl[None]]))
+        grads.append(gradients(policy))
+    torch.testing.assert_close(logps[1], logps[0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+    with torch.no_grad():
+        leaked = torch.cat(kto.forward_logps(policy, leaky(packed)))
+    assert_leaks(leaked, logps[0][: 2 * len(samples)])
