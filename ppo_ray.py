@@ -55,6 +55,7 @@ import functools
 import json
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,10 +72,10 @@ from common.checkpoint import (check_settings, describe, load_train_state, save_
                                write_atomically)
 from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
-                                    load_model, load_tokenizer)
+                                    load_model, load_tokenizer, trained_zero_stage)
 from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
-                                make_placement_group, shard, use_gpus, wait)
+                                make_placement_group, shard, share_cores, use_gpus, wait)
 from common.modeling import (entropy_from_logits, pack_rows, packed_token_values, sequence_rewards, token_logprobs,
                              token_values, unpack, unpack_next_token)
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
@@ -158,8 +159,9 @@ class Args:
     # --- training
     seed: int = 42
     """random seed"""
-    zero_stage: int = 3
-    """DeepSpeed ZeRO stage of the trained models"""
+    zero_stage: int | None = None
+    """DeepSpeed ZeRO stage of the trained models (default: 3, or 0 for a role on one rank, which ZeRO has nothing to
+    partition across)"""
     offload_optimizer: bool = False
     """keep optimizer states in CPU memory"""
     ref_offload: bool = False
@@ -296,8 +298,19 @@ GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce++-baseline")  # estimators that
 
 
 def uses_reference(args: Args) -> bool:
-    """Whether the run compares the policy with the reference model: a KL penalty in the reward or in the loss."""
-    return args.init_kl_coef > 0 or args.advantage_estimator in KL_IN_LOSS
+    """Whether the run compares the policy with the reference model: a KL penalty in the reward or in the loss. At
+    --init_kl_coef 0 there is none (the adaptive controller scales the coefficient, and 0 stays 0): no reference."""
+    return args.init_kl_coef > 0
+
+
+def update_is_on_policy(args: Args) -> bool:
+    """Whether the actor's log-probs before the update are the update's own, detached: one optimizer step per rollout
+    on the weights that sampled it (one epoch, the whole rollout in one train batch, no --async_rollouts lag), and no
+    KL penalty in the reward, the one use of them before the update. The experience phase then skips the actor's
+    forward pass, as TRL does at num_iterations 1; the ratio in the loss is exactly 1, as it would have been."""
+    one_step = args.max_epochs == 1 and args.rollout_batch_size * args.n_samples_per_prompt == args.train_batch_size
+    kl_in_reward = uses_reference(args) and args.advantage_estimator not in KL_IN_LOSS
+    return one_step and not args.async_rollouts and not kl_in_reward
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
@@ -483,7 +496,8 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     if args.lora_rank and uses_reference(args):  # the reference is the actor's frozen model, adapters off
         ref = actor
     micro = micro_rollout(args)  # shard() pads a batch that does not split evenly; gather() drops the padding
-    actor_logprobs = actor.call_sharded("logprobs", shard(batch, len(actor), micro))
+    on_policy = update_is_on_policy(args)  # then the update computes the old log-probs (and their metrics) itself
+    actor_logprobs = None if on_policy else actor.call_sharded("logprobs", shard(batch, len(actor), micro))
     ref_method = "reference_logprobs" if ref is actor else "logprobs"
     ref_logprobs = ref.call_sharded(ref_method, shard(batch, len(ref), micro)) if ref else None
     critic_values = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
@@ -495,23 +509,34 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
         truncated = torch.tensor([s["finish_reason"] == "length" for group in samples for s in group])
         batch["action_mask"] = batch["action_mask"] * ~truncated[:, None]
     mask = batch["action_mask"]
-    old_logprobs = gather(actor, actor_logprobs, rows)
-    ref_logprobs = gather(ref, ref_logprobs, rows) if ref else old_logprobs
-    values = gather(critic, critic_values, rows) if critic else torch.zeros_like(old_logprobs)
-    token_kl = tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)  # (batch, seq - 1)
+    experience = dict(batch)
+    if ref:
+        experience["ref_logprobs"] = gather(ref, ref_logprobs, rows)
+    values = gather(critic, critic_values, rows) if critic else torch.zeros(mask.shape)
+    token_kl = torch.zeros(mask.shape)  # (batch, seq - 1); the reward's KL penalty, where there is one
+    if not on_policy:
+        old_logprobs = experience["old_logprobs"] = gather(actor, actor_logprobs, rows)
+        token_kl = tricks.kl_penalty(old_logprobs, experience.get("ref_logprobs", old_logprobs), args.kl_estimator)
+        metrics.update(old_logprob_metrics(args, old_logprobs, experience, mask))
+        if args.vllm_is_correction or args.async_rollouts:
+            experience["is_weights"], metrics["vllm/is_capped"] = truncated_is_weights(
+                old_logprobs, batch["vllm_logprobs"], mask, args.vllm_is_cap)
     advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)
-    experience = {**batch, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "values": values,
-                  "advantages": advantages, "returns": returns}
-    if args.vllm_is_correction or args.async_rollouts:
-        experience["is_weights"], metrics["vllm/is_capped"] = truncated_is_weights(
-            old_logprobs, batch["vllm_logprobs"], mask, args.vllm_is_cap)
+    experience.update(values=values, advantages=advantages, returns=returns)
     metrics.update({
-        "objective/scores": scores.mean(), "objective/kl": tricks.masked_mean(token_kl, mask, dim=-1).mean(),
-        "objective/advantages": tricks.masked_mean(advantages, mask), "objective/returns": returns.sum(-1).mean(),
-        "response/length": lengths.float().mean(),
-        "response/truncated": sum(s["finish_reason"] == "length" for group in samples for s in group) / rows,
-        "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask)})
+        "objective/scores": scores.mean(), "objective/advantages": tricks.masked_mean(advantages, mask),
+        "objective/returns": returns.sum(-1).mean(), "response/length": lengths.float().mean(),
+        "response/truncated": sum(s["finish_reason"] == "length" for group in samples for s in group) / rows})
     return experience, metrics
+
+
+def old_logprob_metrics(args: Args, old_logprobs: torch.Tensor, batch: dict, mask: torch.Tensor) -> dict:
+    """The KL to the reference (its per-sequence mean, averaged) and vLLM's log-prob error, from the log-probs of
+    the policy that sampled the batch: made with the experience, or by an on-policy update (update_is_on_policy)."""
+    ref_logprobs = batch.get("ref_logprobs", old_logprobs)
+    kl = tricks.masked_mean(tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator), mask, dim=-1).mean()
+    return {"objective/kl": kl,
+            "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask)}
 
 
 # ------------------------------------------------------------------------------------------------- workers
@@ -550,7 +575,8 @@ def micro_rollout(args: Args) -> int:
 def train_or_eval_config(args: Args, world_size: int, trainable: bool) -> dict:
     """The DeepSpeed config of a trained role, or of a frozen one (always ZeRO-3, optionally offloaded)."""
     if trainable:
-        return ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+        stage = trained_zero_stage(args.zero_stage, world_size, args.offload_optimizer, args.load_in_4bit)
+        return ds_config(stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                          args.grad_clip, args.offload_optimizer)
     return ds_config(3, micro_rollout(args) * world_size, micro_rollout(args), world_size,
                      offload_params=args.ref_offload, train=False)
@@ -616,6 +642,7 @@ class ReferenceWorker(ModelWorker):
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
         """Log-probs of each next token, (batch, seq - 1), in micro-batches of --micro_rollout_batch_size."""
+        self.use_cpu_threads("experience")
         self.engine.eval()
         width = batch["action_mask"].shape[1]
         return torch.cat([pad_right(self._logprobs(mb), width)
@@ -648,15 +675,23 @@ class ActorWorker(ReferenceWorker):
         """The PPO policy update on this rank's share of the experience, for --max_epochs passes, at PPO `step`."""
         args, stats = self.args, []
         micro_batches_per_step = args.max_epochs * -(-len(experience["input_ids"]) // args.micro_train_batch_size)
+        self.use_cpu_threads("train")
         self.engine.train()
+        on_policy = []  # old_logprob_metrics of each micro-batch, where the update makes the old log-probs itself
         for epoch in range(args.max_epochs):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
                 logprobs, entropy = self._logprobs(mb, with_entropy=True)
                 mask = mb["action_mask"]
+                if "old_logprobs" not in mb:  # update_is_on_policy: these weights sampled the batch
+                    mb["old_logprobs"] = logprobs.detach()
+                    on_policy.append(old_logprob_metrics(args, mb["old_logprobs"], mb, mask))
+                    if args.vllm_is_correction:
+                        mb["is_weights"], on_policy[-1]["vllm/is_capped"] = truncated_is_weights(
+                            mb["old_logprobs"], mb["vllm_logprobs"], mask, args.vllm_is_cap)
                 loss, clipfrac, approx_kl = policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip,
                     mb.get("is_weights"), loss_agg(args), args.generate_max_len)
-                if args.advantage_estimator in KL_IN_LOSS:  # GRPO's KL term: k3 against the reference, in the loss
+                if args.advantage_estimator in KL_IN_LOSS and "ref_logprobs" in mb:  # GRPO's KL: k3, in the loss
                     kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3")
                     loss = loss + kl_coef * tricks.aggregate(kl, mask, loss_agg(args), args.generate_max_len)
                 mean_entropy = tricks.masked_mean(entropy, mask)
@@ -673,7 +708,8 @@ class ActorWorker(ReferenceWorker):
                 stats.append([loss.item(), clipfrac.item(), approx_kl.item(), mean_entropy.item()])
         mean = torch.tensor(stats).mean(0)
         return {"policy/loss": mean[0], "policy/clipfrac": mean[1], "policy/approxkl": mean[2],
-                "objective/entropy": mean[3], "policy/lr": self.engine.get_lr()[0]}
+                "objective/entropy": mean[3], "policy/lr": self.engine.get_lr()[0],
+                **{k: torch.stack([m[k] for m in on_policy]).mean().cpu() for k in (on_policy[:1] or [{}])[0]}}
 
     @torch.no_grad()
     def reference_logprobs(self, batch: dict) -> torch.Tensor:
@@ -720,6 +756,7 @@ class RewardModelWorker(ScalarHeadWorker):
     @torch.no_grad()
     def scores(self, batch: dict) -> torch.Tensor:
         """Reward-model scores read at each sequence's last token, (batch,); padded also with --packing_samples."""
+        self.use_cpu_threads("experience")
         self.engine.eval()
         return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"],
                                            self._normalizes())
@@ -744,12 +781,14 @@ class CriticWorker(ScalarHeadWorker):
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
         """Critic values for predicting each next token, (batch, seq - 1), aligned with the log-probs."""
+        self.use_cpu_threads("experience")
         self.engine.eval()
         width = batch["action_mask"].shape[1]
         return torch.cat([pad_right(self._values(mb), width) for mb in split(batch, micro_rollout(self.args))]).cpu()
 
     def fit(self, experience: dict, kl_coef: float = 0.0) -> dict:
         args, stats = self.args, []
+        self.use_cpu_threads("train")
         self.engine.train()
         for epoch in range(args.max_epochs):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
@@ -1053,7 +1092,8 @@ def train_step(roles: dict, experience: dict, kl_coef: float, step: int, micro: 
     actor, critic = roles["actor"], roles.get("critic")
     actor_fit = actor.call_sharded("fit", shard(experience, len(actor), micro), kl_coef, step)
     critic_fit = critic.call_sharded("fit", shard(experience, len(critic), micro)) if critic else []
-    metrics = actor.get(actor_fit)[0]
+    ranks = actor.get(actor_fit)  # each rank's means over its share of the experience
+    metrics = {k: torch.stack([torch.as_tensor(m[k], dtype=torch.float) for m in ranks]).mean() for k in ranks[0]}
     if critic_fit:
         metrics.update(critic.get(critic_fit)[0])
     return metrics
@@ -1148,20 +1188,34 @@ def stopped(why: str, step: int, ckpt_dir: str, error=UserError) -> UserError:
     return error(f"{why} at step {step + 1}; {where}. Rerun the same command to resume.")
 
 
+def busy_in_phases(args: Args, roles: dict) -> dict[str, list]:
+    """The worker groups that compute at the same time in the experience phase and in the update (with
+    --async_rollouts the engines generate meanwhile)."""
+    experience = [g for g in (roles.get("ref"), roles.get("critic"), *roles["rewards"]) if g]
+    if not update_is_on_policy(args) or (args.lora_rank and uses_reference(args)):  # the actor's own forward
+        experience.append(roles["actor"])
+    return {"experience": experience, "train": [g for g in (roles["actor"], roles.get("critic")) if g]}
+
+
 def connect(args: Args, roles: dict, ptx_samples: list[dict] | None) -> None:
-    """After placement: the weight-sync group between actor rank 0 and the engines, placement.json (which Ray
-    node each worker is on, and the engines' pids), and the actor's pretraining rows."""
+    """After placement: the weight-sync group between actor rank 0 and the engines; without GPUs, each phase's
+    share of the cores for every worker; placement.json (which Ray node each worker is on, the engines' and
+    workers' pids, the workers' threads per phase); and the actor's pretraining rows."""
     engines = roles["engines"]
     wait(roles["actor"].call("init_weight_sync", engines), SYNC_TIMEOUT.total_seconds(),
          "actor rank 0 and the vLLM engines did not form their weight-sync group")
+    groups = {name: roles[name] for name in ("actor", "ref", "critic") if name in roles}
+    placement = {name: group.nodes for name, group in groups.items()}
+    placement["rewards"] = [group.nodes for group in roles["rewards"]]
+    placement["pids"] = {name: group.get(group.call("pid")) for name, group in groups.items()}
+    placement["vllm"] = ray.get([engine.node_id.remote() for engine in engines])
+    placement["vllm_pids"] = ray.get([engine.pid.remote() for engine in engines])
+    if not use_gpus():  # the workers computing at the same time share their node's cores
+        phases = busy_in_phases(args, roles)
+        share_cores(phases, {phase: placement["vllm"] if args.async_rollouts else [] for phase in phases})
+        placement["cpu_threads"] = {name: group.get(group.call("threads")) for name, group in groups.items()}
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "placement.json"), "w") as f:
-        groups = {name: roles[name] for name in ("actor", "ref", "critic") if name in roles}
-        placement = {name: group.nodes for name, group in groups.items()}
-        placement["rewards"] = [group.nodes for group in roles["rewards"]]
-        placement["pids"] = {name: group.get(group.call("pid")) for name, group in groups.items()}
-        placement["vllm"] = ray.get([engine.node_id.remote() for engine in engines])
-        placement["vllm_pids"] = ray.get([engine.pid.remote() for engine in engines])
         json.dump(placement, f, indent=1)
     if ptx_samples:
         ray.get(roles["actor"].call("set_ptx_data", ptx_samples))
@@ -1205,7 +1259,7 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
 
     try:
         for step in range(start_step, args.max_steps):
-            timings = {}
+            timings, step_start = {}, time.perf_counter()
             with timed(timings, "time/generate"):  # 1. rollouts: vLLM samples responses to this step's prompts
                 if args.async_rollouts:  # sampled while the last step trained, by the policy before that update
                     picked, samples, scored = ahead[0], collect(roles["engines"], ahead[1]), None
@@ -1232,6 +1286,7 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
             if eval_prompts and args.eval_steps and (step + 1) % args.eval_steps == 0:
                 metrics.update(sync_engines(step + 1))  # --async_rollouts: then step + 2 has nothing to sync
                 metrics.update(evaluate(args, roles, tokenizer, reward_fn, eval_prompts))
+            metrics["time/step"] = time.perf_counter() - step_start  # all of it: the phases and the driver's share
             logger.log(step + 1, metrics)
             bar.update(1)
             bar.set_postfix(score=f"{float(metrics['objective/scores']):.3f}",

@@ -60,12 +60,15 @@ def trained(args, params: int, largest: int, gpus: int, lora_per_rank: int = 0) 
     With --lora_rank only the adapters have model states (counted as on every linear layer, the most any
     --target_modules can give); the frozen weights are bf16, partitioned under ZeRO-3, or 4-bit and whole (QLoRA).
     """
+    from common.deepspeed_utils import trained_zero_stage
+
+    stage = trained_zero_stage(args.zero_stage, gpus, args.offload_optimizer, args.load_in_4bit)
     if args.lora_rank:
-        frozen_weights = params // 2 if args.load_in_4bit else 2 * params // (gpus if args.zero_stage == 3 else 1)
+        frozen_weights = params // 2 if args.load_in_4bit else 2 * params // (gpus if stage == 3 else 1)
         adapters = trained(argparse.Namespace(**{**vars(args), "lora_rank": 0}), args.lora_rank * lora_per_rank,
                            0, gpus)
         return {"frozen weights": frozen_weights, "model states": adapters["model states"], "cpu": adapters["cpu"]}
-    if args.zero_stage == 3:
+    if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=gpus,
