@@ -68,8 +68,9 @@ def _actor_step(rank: int, port: int, path: str, on_policy: bool, out: str):
     ids = torch.randint(3, 300, (8, 12), generator=g)
     mask = torch.ones(8, 11)
     mask[:, :4] = 0  # the prompt
-    experience = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(12).expand(8, 12),
-                  "action_mask": mask, "advantages": torch.randn(8, 1, generator=g) * mask}
+    experience = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                  "position_ids": torch.arange(12).expand(8, 12), "action_mask": mask,
+                  "advantages": torch.randn(8, 1, generator=g) * mask}
     logprobs = worker.logprobs(experience)
     experience["vllm_logprobs"] = (logprobs + 0.01 * torch.randn(8, 11, generator=g)) * mask
     experience["ref_logprobs"] = logprobs + 0.1 * torch.randn(8, 11, generator=g)
