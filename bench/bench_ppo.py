@@ -15,7 +15,7 @@ Then a fresh process with no Ray, no DeepSpeed and all the cores measures each p
 
 A ratio is the limit's time over the phase's (generation: ppo_ray.py's token rate over the engine's), so 1.0 is at
 the limit and 0.5 twice as slow; the sync's is the other way round, its time over the raw broadcast's. The first
-step of each is a warm-up and is left out; the limits are the best of a few repeats after a warm-up.
+step of each is a warm-up and is left out; a limit is the mean of a few repeats after a warm-up.
 
     .venv/bin/python bench/bench_ppo.py                     # tiny and 100M (about 12 minutes on 2 CPU cores)
     .venv/bin/python bench/bench_ppo.py --models tiny
@@ -45,7 +45,7 @@ MODELS = {
 }
 PROMPT_MAX_LEN = 64
 PHASES = ("time/generate", "time/make_experience", "time/train", "time/weight_sync")
-REPEATS = 3  # timed repeats of each limit, after one warm-up; the fastest counts
+REPEATS = 3  # timed repeats of each limit, after one warm-up; their mean counts, as the steps' mean does for ppo_ray
 
 
 @dataclass
@@ -74,14 +74,14 @@ def run_ppo(model_dir: str, task: dict, out: str, settings: dict) -> list[dict]:
         return [m for m in map(json.loads, f) if "time/generate" in m]
 
 
-def best_seconds(fn) -> float:
+def mean_seconds(fn) -> float:
     fn()  # warm-up: first-touch allocations, lazy initialisation
     times = []
     for _ in range(REPEATS):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.mean(times)
 
 
 def generation_limit(model_dir: str, prompts_file: str, settings: dict):
@@ -170,7 +170,7 @@ def experience_and_train_limits(model_dir: str, batch: dict, settings: dict) -> 
             optimizer.step()
             optimizer.zero_grad()
 
-    return {"experience": best_seconds(forwards), "train": best_seconds(train),
+    return {"experience": mean_seconds(forwards), "train": mean_seconds(train),
             "sync_bytes": sum(p.numel() * p.element_size() for p in actor.parameters())}
 
 
@@ -198,7 +198,7 @@ def broadcast_limit(nbytes: int) -> float:
     receiver.start()
     group = new_process_group("127.0.0.1", port, 0, 2, "gloo")
     flat = torch.randn(numel)
-    seconds = best_seconds(lambda: group.broadcast(flat, 0).wait())
+    seconds = mean_seconds(lambda: group.broadcast(flat, 0).wait())
     receiver.join()
     return seconds
 

@@ -3,14 +3,14 @@
 Both run GRPO on the synthetic addition task with its rule reward, from the same randomly initialised ~21M-parameter
 Qwen2 model in float32, with no KL term (TRL's default beta is 0), one pass and one optimizer step per rollout, and
 the same micro-batch. TRL generates with the model's own `generate`, in its process; ppo_ray.py with one vLLM
-engine, its actor on one DeepSpeed rank (ZeRO-3, as by default). Each runs in a fresh process, one after the other,
-so that neither competes with the other for the cores. The throughput is completions per second of wall-clock time
-per step (generation, scoring, experience, update and, for ppo_ray.py, the weight sync), the first step left out as
-a warm-up.
+engine, its actor on one DeepSpeed rank (ZeRO-0, the default on one rank) unless --ppo_flags says otherwise. Each
+runs in a fresh process, one after the other, so that neither competes with the other for the cores. The
+throughput is completions per second of wall-clock time per step (generation, scoring, experience, update and, for
+ppo_ray.py, the weight sync), the first step left out as a warm-up.
 
     .venv/bin/python -m pip install -r requirements-dev.txt -c constraints.txt   # TRL is a dev requirement
     .venv/bin/python bench/bench_vs_trl.py                      # both shapes, about 15 minutes on 2 CPU cores
-    .venv/bin/python bench/bench_vs_trl.py --shapes small --ppo_flags="--actor_num_workers 2"
+    .venv/bin/python bench/bench_vs_trl.py --shapes large --ppo_flags="--actor_num_workers 2 --zero_stage 0"
 """
 
 import json
