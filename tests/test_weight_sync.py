@@ -243,3 +243,21 @@ def test_gathered_zero3_params_are_the_full_hf_weights(tiny_model, tmp_path):
     assert list(result["params"]) == list(expected)
     for name, tensor in result["params"].items():
         torch.testing.assert_close(tensor, expected[name].detach(), rtol=0, atol=0)
+
+
+def test_cpu_bucket_buffers_are_kept_between_syncs_and_others_are_fresh():
+    """reused_cpu_buffer: the same CPU storage for the same bucket from one sync to the next (a smaller bucket gets a
+    view of it), a new one when the bucket outgrows it or changes dtype, and never a kept one off the CPU."""
+    from common.weight_sync import reused_cpu_buffer
+
+    cpu, kept = torch.device("cpu"), {}
+    first = reused_cpu_buffer(kept, 0, 1000, torch.float32, cpu)
+    assert reused_cpu_buffer(kept, 0, 1000, torch.float32, cpu).data_ptr() == first.data_ptr()
+    smaller = reused_cpu_buffer(kept, 0, 10, torch.float32, cpu)
+    assert smaller.shape == (10,) and smaller.data_ptr() == first.data_ptr()
+    assert reused_cpu_buffer(kept, 1, 1000, torch.float32, cpu).data_ptr() != first.data_ptr()  # another bucket
+    assert reused_cpu_buffer(kept, 0, 2000, torch.float32, cpu).numel() == 2000
+    assert reused_cpu_buffer(kept, 0, 100, torch.bfloat16, cpu).dtype == torch.bfloat16
+    other = {}
+    assert reused_cpu_buffer(other, 0, 100, torch.float32, torch.device("meta")).device.type == "meta"
+    assert other == {}, "a buffer off the CPU was kept"
