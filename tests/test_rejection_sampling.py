@@ -16,13 +16,16 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import ROOT, SEED, expect, kill_group, metrics, run_script
 from test_rewards import write_reward_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import UserError, parse_args
-from common.data import load_records
+from common.data import load_records, render_prompt
+from common.modeling import token_logprobs
 from common.rewards import load_reward_model, reward_model_scores
-from common.synthetic_task import extract_answer, reward_fn
+from common.synthetic_task import REFUSAL, extract_answer, reward_fn
 from common.task_eval import greedy_responses, task_scores
 from common.tiny_model import build_tokenizer
 from rejection_sampling import Args, conditioned_prompt, load_state, main, select, train_command
@@ -43,6 +46,20 @@ def greedy_scores(model, prompts, labels) -> dict:
     responses = greedy_responses(model, prompts)
     return {"accuracy": sum(reward_fn(prompts, responses, labels)) / len(prompts),
             "answered": sum(extract_answer(r) is not None for r in responses) / len(prompts)}
+
+
+@torch.no_grad()
+def refusal_logprobs(model_dir: str, prompts: list[str]) -> torch.Tensor:
+    """log p(REFUSAL | prompt) under the chat template, one per prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    response = tokenizer(REFUSAL, add_special_tokens=False)["input_ids"]
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(render_prompt(tokenizer, prompt, True, None), add_special_tokens=False)["input_ids"]
+        logits = model(torch.tensor([ids + response])).logits[0, len(ids) - 1:-1]
+        out.append(token_logprobs(logits, torch.tensor(response)).sum())
+    return torch.stack(out)
 
 
 # ------------------------------------------------------------------------------------------------------ selection
@@ -208,11 +225,19 @@ def test_conditional_sft_answers_better_when_asked_for_a_high_reward(best_of_n_r
     high = greedy_scores(trained, [conditioned_prompt(p, 1.0, TEMPLATE, 1) for p in prompts], labels)
     low = greedy_scores(trained, [conditioned_prompt(p, 0.0, TEMPLATE, 1) for p in prompts], labels)
     print(f"conditional SFT greedy scores: high-reward prompt {high}, low-reward {low}")
-    # Asked for a reward of 1 the model answers with a number; asked for 0 it keeps the demonstrations' refusals.
-    # (How often the answer is right when asked for 1 varied from 0.09 to 0.28 over seeds 0, 2 and 3: 200 steps at
-    # lr 1e-3 on its own samples is a blunt tool for arithmetic; the conditioning itself is what is checked here.)
-    expect("csft: share answered asked for reward 1 - asked for 0", high["answered"] - low["answered"], ">=", 0.2)
-    expect("csft: share answered asked for reward 1", high["answered"], ">=", 0.65)
+    # In the data a reward of 1 never goes with the refusal and a reward of 0 often does (most of the larger sums'
+    # samples), so the model should make the refusal less likely when asked for 1. That is checked on the refusal's
+    # log-probability: greedy decoding turns it into a threshold effect, and whether the greedy answer flips varied
+    # from 0.12 to 0.52 of the prompts over seeds 0-2 (200 steps at lr 1e-3 on its own samples fits the conditioning
+    # only partly), while the log-probability moved the same way on every prompt of seeds 0-2, by 0.74-2.07 nats
+    # on average over seeds 0-3.
+    asked_high = refusal_logprobs(trained, [conditioned_prompt(p, 1.0, TEMPLATE, 1) for p in prompts])
+    asked_low = refusal_logprobs(trained, [conditioned_prompt(p, 0.0, TEMPLATE, 1) for p in prompts])
+    print(f"conditional SFT refusal log-prob: asked for 1 {asked_high.mean():.2f}, asked for 0 {asked_low.mean():.2f}")
+    expect("csft: share of prompts where asking for reward 1 makes the refusal less likely",
+           (asked_high < asked_low).float().mean().item(), ">=", 0.75)
+    expect("csft: refusal log-prob asked for reward 0 - asked for 1, nats", (asked_low - asked_high).mean().item(),
+           ">=", 0.35)
 
 
 @pytest.mark.slow
