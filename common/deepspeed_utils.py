@@ -239,6 +239,13 @@ def init_train_engine(model, config: dict, lr: float, weight_decay: float, total
     # The schedule is built on the optimizer DeepSpeed wraps (ZeRO regroups parameters), hence the callable.
     schedule = lambda wrapped: cosine_schedule(wrapped, total_steps, warmup_ratio, min_lr_ratio)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+    if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
+        # With no ZeRO, DeepSpeed averages the gradients over the ranks at every optimizer step by flattening them
+        # into one buffer, all-reducing it, scaling it and copying it back, on one rank too, where the average is
+        # the gradient itself: four passes over the model's bytes (a GRPO update of a 21M model on CPU, 16 rows:
+        # 0.62 -> 0.59 s).
+        # The flag is the one DeepSpeed clears itself when it has no process group to reduce over.
+        engine.enable_backward_allreduce = False
     return engine
 
 

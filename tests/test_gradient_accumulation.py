@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common.modeling import scalar_head_parts, token_values
 from common.net import free_port
@@ -70,3 +70,52 @@ def test_token_values_read_the_final_normed_hidden_states(variant, tmp_path):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         expected = head(backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state)
         torch.testing.assert_close(token_values(model, ids, mask), expected.squeeze(-1))
+
+
+def _zero0_steps(rank: int, world_size: int, port: int, path: str, out: str):
+    """One ZeRO-0 rank: two optimizer steps of 2 micro-batches per rank through init_train_engine; rank 0 also takes
+    the same steps in plain torch over every rank's micro-batches, and saves both models and the engine's flag."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    from common.deepspeed_utils import adamw, cosine_schedule, ds_config, init_distributed, init_train_engine
+    from common.modeling import next_token_logprobs
+
+    init_distributed()
+    g = torch.Generator().manual_seed(1)
+    steps = [[torch.randint(3, 300, (4, 12), generator=g) for _ in range(2 * world_size)] for _ in range(2)]
+    config = ds_config(0, 8 * world_size, 4, world_size)
+    engine = init_train_engine(AutoModelForCausalLM.from_pretrained(path), config, lr=1e-3, weight_decay=0.1,
+                               total_steps=2, warmup_ratio=0.0, min_lr_ratio=0.1)
+    for micro_batches in steps:
+        for ids in micro_batches[2 * rank: 2 * rank + 2]:
+            engine.backward(-next_token_logprobs(engine, ids).mean())
+            engine.step()
+    if rank == 0:
+        plain = AutoModelForCausalLM.from_pretrained(path)
+        optimizer = adamw(plain, 1e-3, 0.1)
+        schedule = cosine_schedule(optimizer, 2, 0.0, 0.1)
+        for micro_batches in steps:
+            for ids in micro_batches:
+                (-next_token_logprobs(plain, ids).mean() / len(micro_batches)).backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        torch.save({"reduces": engine.enable_backward_allreduce, "engine": engine.module.state_dict(),
+                    "plain": plain.state_dict()}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_zero0_update_averages_over_the_ranks_and_skips_the_reduction_on_one(tiny_model, tmp_path, world_size):
+    """init_train_engine turns DeepSpeed's gradient all-reduce off on one ZeRO-0 rank, where it only copies; on two
+    ranks it must stay on, or each rank would step on its own gradients and the replicas drift apart."""
+    out = str(tmp_path / "states.pt")
+    mp.spawn(_zero0_steps, args=(world_size, free_port(), tiny_model, out), nprocs=world_size, join=True)
+    saved = torch.load(out)
+    assert saved["reduces"] == (world_size > 1)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert max((saved["plain"][k] - start[k]).abs().max().item() for k in start) > 1e-3  # the steps moved it
+    for name, tensor in saved["plain"].items():
+        torch.testing.assert_close(saved["engine"][name], tensor, atol=1e-5, rtol=0, msg=name)
