@@ -229,8 +229,8 @@ def test_conditional_sft_answers_better_when_asked_for_a_high_reward(best_of_n_r
     # samples), so the model should make the refusal less likely when asked for 1. That is checked on the refusal's
     # log-probability: greedy decoding turns it into a threshold effect, and whether the greedy answer flips varied
     # from 0.12 to 0.52 of the prompts over seeds 0-2 (200 steps at lr 1e-3 on its own samples fits the conditioning
-    # only partly), while the log-probability moved the same way on every prompt of seeds 0-2, by 0.74-2.07 nats
-    # on average over seeds 0-3.
+    # only partly), while the log-probability moved the same way on every prompt of seeds 0-3, by 0.74-2.07 nats
+    # on average.
     asked_high = refusal_logprobs(trained, [conditioned_prompt(p, 1.0, TEMPLATE, 1) for p in prompts])
     asked_low = refusal_logprobs(trained, [conditioned_prompt(p, 0.0, TEMPLATE, 1) for p in prompts])
     print(f"conditional SFT refusal log-prob: asked for 1 {asked_high.mean():.2f}, asked for 0 {asked_low.mean():.2f}")
