@@ -50,13 +50,17 @@ class Args:
 
 @ray.remote(num_cpus=0)
 class GlooReceiver:
-    """The baseline's other end: joins a two-rank gloo group and receives broadcasts into a fresh buffer."""
+    """The baseline's other end: joins a two-rank gloo group and receives broadcasts into one buffer, kept from one
+    receive to the next as the sync's workers keep theirs (a fresh one would add its first touch's page faults)."""
 
     def join(self, master_address: str, master_port: int) -> None:
         self.group = new_process_group(master_address, master_port, 1, 2, "gloo")
+        self.buffer = torch.empty(0)
 
     def receive(self, numel: int) -> None:
-        self.group.broadcast(torch.empty(numel, dtype=torch.float32), 0).wait()
+        if self.buffer.numel() != numel:
+            self.buffer = torch.empty(numel, dtype=torch.float32)
+        self.group.broadcast(self.buffer, 0).wait()
 
 
 def median_seconds(fn, repeats: int) -> float:
