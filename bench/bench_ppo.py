@@ -175,14 +175,17 @@ def experience_and_train_limits(model_dir: str, batch: dict, settings: dict) -> 
 
 
 def receive_broadcasts(port: int, numel: int, times: int) -> None:
-    """The raw broadcast's other end, in a process of its own: joins the two-rank group and receives `times`."""
+    """The raw broadcast's other end, in a process of its own: joins the two-rank group and receives `times`, into
+    one buffer, as the sync's engine workers keep theirs (a fresh one each time adds its first touch's page faults,
+    which made this limit up to twice as slow)."""
     import torch
 
     from common.weight_sync import new_process_group
 
     group = new_process_group("127.0.0.1", port, 1, 2, "gloo")
+    buffer = torch.empty(numel, dtype=torch.float32)
     for _ in range(times):
-        group.broadcast(torch.empty(numel, dtype=torch.float32), 0).wait()
+        group.broadcast(buffer, 0).wait()
 
 
 def broadcast_limit(nbytes: int) -> float:
