@@ -177,7 +177,7 @@ def experience_and_train_limits(model_dir: str, batch: dict, settings: dict) -> 
 def receive_broadcasts(port: int, numel: int, times: int) -> None:
     """The raw broadcast's other end, in a process of its own: joins the two-rank group and receives `times`, into
     one buffer, as the sync's engine workers keep theirs (a fresh one each time adds its first touch's page faults,
-    which made this limit up to twice as slow)."""
+    which made this limit up to 2.6 times as slow)."""
     import torch
 
     from common.weight_sync import new_process_group
