@@ -101,8 +101,14 @@ class VLLMEngine:
         logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
         before temperature and top_p). `max_tokens` may be one limit per prompt. Extra keyword arguments go to
         `vllm.SamplingParams` (top_k, stop_token_ids, ...).
+
+        vLLM does not detokenize the samples (unless asked to, or given stop strings, which need it): only token ids
+        come back, and its incremental detokenization took 8% of a 256 x 64-token generation on CPU (3.5 s against
+        3.2 s, bench model of bench_vs_trl.py).
         """
         import vllm
+
+        sampling_kwargs.setdefault("detokenize", bool(sampling_kwargs.get("stop")))
 
         def params_for(limit: int):
             return vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit,
