@@ -10,6 +10,7 @@ ppo_ray.py, the weight sync), the first step left out as a warm-up.
 
     .venv/bin/python -m pip install -r requirements-dev.txt -c constraints.txt   # TRL is a dev requirement
     .venv/bin/python bench/bench_vs_trl.py                      # both shapes, about 15 minutes on 2 CPU cores
+    .venv/bin/python bench/bench_vs_trl.py --shapes small --repeats 5   # the small shape's spread, ~6 minutes
     .venv/bin/python bench/bench_vs_trl.py --shapes large --ppo_flags="--actor_num_workers 2 --zero_stage 0"
 """
 
@@ -31,6 +32,7 @@ from common.args import parse_args  # noqa: E402
 SHAPES = {"small": (4, 4, 16, 16, 6), "large": (32, 8, 64, 32, 3)}
 MODEL = {"architecture": "qwen2", "hidden_size": 512, "num_layers": 7, "num_heads": 8, "num_kv_heads": 2}  # 21.4M
 LEARNING_RATE = 1e-6
+PHASES = ("time/generate", "time/make_experience", "time/train", "time/weight_sync")  # ppo_ray.py's, in the table
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Args:
     """rollout shapes to time, from: small (4 x 4 x 16), large (32 x 8 x 64)"""
     out: str = "out/bench_vs_trl"
     """folder for the model, the task and the runs"""
+    repeats: int = 1
+    """runs of each shape's pair (TRL, then ppo_ray.py); the table gives the median ratio and, over 1, its range:
+    this machine's speed moves 10-25% within an hour, so one pair's ratio is worth about +-0.15"""
     ppo_flags: str = ""
     """further ppo_ray.py flags, e.g. "--actor_num_workers 2" (the table says which were given)"""
     trl: str | None = None
@@ -101,10 +106,9 @@ def ppo_run(model_dir: str, prompts_file: str, shape: str, out: str, extra: str)
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         log = [m for m in map(json.loads, f) if "time/step" in m][1:]
-    phases = ("time/generate", "time/make_experience", "time/train", "time/weight_sync")
     return {"seconds": statistics.mean(m["time/step"] for m in log),
             "length": statistics.mean(m["response/length"] for m in log),
-            **{k: statistics.mean(m[k] for m in log) for k in phases}}
+            **{k: statistics.mean(m[k] for m in log) for k in PHASES}}
 
 
 def main(args: Args):
@@ -120,25 +124,32 @@ def main(args: Args):
     write_task(os.path.join(args.out, "task"))
     rows = []
     for shape in args.shapes:
-        result = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl", model_dir, "--shapes", shape,
-                                 "--out", args.out], cwd=ROOT, check=True, capture_output=True, text=True)
-        trl = json.loads(result.stdout.strip().splitlines()[-1])
-        ppo = ppo_run(model_dir, prompts, shape, os.path.join(args.out, "ppo-" + shape), args.ppo_flags)
-        rows.append((shape, trl, ppo))
+        for run in range(args.repeats):
+            result = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl", model_dir, "--shapes", shape,
+                                     "--out", args.out], cwd=ROOT, check=True, capture_output=True, text=True)
+            trl = json.loads(result.stdout.strip().splitlines()[-1])
+            ppo = ppo_run(model_dir, prompts, shape, os.path.join(args.out, "ppo-" + shape), args.ppo_flags)
+            rows.append((shape, trl, ppo))
+            if args.repeats > 1:
+                print(f"{shape} run {run + 1}/{args.repeats}: ratio {trl['seconds'] / ppo['seconds']:.2f}x", flush=True)
 
     flags = args.ppo_flags or "none"
-    print(f"\nGRPO completions per second (fp32, ~21M Qwen2, rule reward; further ppo_ray.py flags: {flags})")
-    print(f"{'shape':>16} {'TRL':>7} {'(len)':>6} {'ppo_ray':>8} {'(len)':>6} {'ratio':>6}   ppo_ray's split, s: "
-          "generate / experience / train / sync")
-    for shape, trl, ppo in rows:
+    print(f"\nGRPO completions per second (fp32, ~21M Qwen2, rule reward; further ppo_ray.py flags: {flags}; "
+          f"medians of {args.repeats} run(s))")
+    print(f"{'shape':>16} {'TRL':>7} {'(len)':>6} {'ppo_ray':>8} {'(len)':>6} {'ratio':>6} {'range':>11}   "
+          "ppo_ray's split, s: generate / experience / train / sync")
+    for shape in args.shapes:
         n_prompts, n, max_new, *_ = SHAPES[shape]
-        completions = n_prompts * n
-        trl_rate, ppo_rate = completions / trl["seconds"], completions / ppo["seconds"]
-        split = " / ".join(f"{ppo[k]:.2f}" for k in ("time/generate", "time/make_experience", "time/train",
-                                                     "time/weight_sync"))
-        print(f"{f'{n_prompts} x {n} x {max_new}':>16} {trl_rate:>7.2f} {trl['length']:>6.1f} {ppo_rate:>8.2f} "
-              f"{ppo['length']:>6.1f} {ppo_rate / trl_rate:>5.2f}x   {split}")
-
+        runs = [(trl, ppo) for s, trl, ppo in rows if s == shape]
+        trl_rate = statistics.median(n_prompts * n / trl["seconds"] for trl, _ in runs)
+        ppo_rate = statistics.median(n_prompts * n / ppo["seconds"] for _, ppo in runs)
+        ratios = [trl["seconds"] / ppo["seconds"] for trl, ppo in runs]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(runs) > 1 else ""
+        median = {k: statistics.median(ppo[k] for _, ppo in runs) for k in ("length", *PHASES)}
+        split = " / ".join(f"{median[k]:.2f}" for k in PHASES)
+        print(f"{f'{n_prompts} x {n} x {max_new}':>16} {trl_rate:>7.2f} "
+              f"{statistics.median(trl['length'] for trl, _ in runs):>6.1f} {ppo_rate:>8.2f} {median['length']:>6.1f} "
+              f"{statistics.median(ratios):>5.2f}x {spread:>11}   {split}")
 
 if __name__ == "__main__":
     main(parse_args(Args))
