@@ -3,7 +3,8 @@
 For each model size (the tiny test model and a ~100M-parameter Llama from a config, both untrained: timing does not
 need a good policy) this runs ppo_ray.py as a user would, PPO with GAE (actor, critic, reference, rule reward, one
 vLLM engine), and reads what it logs per step: time/generate, time/make_experience, time/train, time/weight_sync.
-Then a fresh process with no Ray, no DeepSpeed and all the cores measures each phase's limit on the same work:
+Then a fresh process with no Ray, no DeepSpeed and all the cores (and the trainers' allocator setting,
+common/deepspeed_utils.keep_freed_cpu_memory) measures each phase's limit on the same work:
 
 - generation: a standalone `vllm.LLM` (the engine settings ppo_ray.py uses) samples the same number of prompts of
   the task, with the same samples per prompt, temperature and length limit; the ratio is of the token rates;
@@ -238,6 +239,9 @@ def bench_one(name: str, args: Args) -> dict:
 def main(args: Args):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.limits:
+        from common.deepspeed_utils import keep_freed_cpu_memory
+
+        keep_freed_cpu_memory()  # as every trainer has it: the limit is the fastest the same work can go
         prompts = os.path.join(args.out, "task", "prompts_train.jsonl")
         print(json.dumps(limits(args.limits, prompts, MODELS[args.model][1])))
         return
