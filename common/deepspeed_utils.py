@@ -66,7 +66,7 @@ def keep_freed_cpu_memory() -> bool:
     block over a threshold that adapts with a fresh mmap and unmaps it when freed, and returns a heap's free top to the
     system beyond twice that threshold: the next step page-faults it all back in. For the 21M model of
     bench/bench_vs_trl.py's small shape that was some 20,000 page faults a step, and ppo_ray.py's update took 0.50-0.55
-    s against 0.43-0.44 s with this (two runs each). Blocks up to 32 MiB (glibc's limit) now come from the heap, whose
+    s against 0.41-0.43 s with this (two runs each). Blocks up to 32 MiB (glibc's limit) now come from the heap, whose
     free memory is kept up to 2 GiB: the process holds its peak from one step to the next, which it reaches again
     anyway. Only on CPU: on GPUs activations live in device memory, whose caching allocator already keeps it. Returns
     whether it took effect (it does nothing outside glibc).
