@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 # A step's live set, as a training step's activations are: allocated, written, then all freed; five steps.
 STEP_MIB = [3, 8, 5, 12, 7, 2, 9, 6]
@@ -33,8 +34,9 @@ print(json.dumps({"took": took, "faulted_mib": faulted}))
 
 def probe(mode: str) -> tuple[bool | None, list[float]]:
     """(whether keep_freed_cpu_memory took effect, MiB page-faulted in at each step) in a fresh process."""
+    env = {"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-c", PROBE, mode, json.dumps(STEP_MIB)], check=True, capture_output=True,
-                         text=True, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
+                         text=True, cwd=ROOT, env=env)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return result["took"], result["faulted_mib"]
 
