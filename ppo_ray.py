@@ -76,8 +76,8 @@ from common.deepspeed_utils import (device, ds_config, init_distributed, init_ev
 from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, share_cores, use_gpus, wait)
-from common.modeling import (entropy_from_logits, pack_rows, packed_token_values, sequence_rewards, token_logprobs,
-                             token_values, unpack, unpack_next_token)
+from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
+                             sequence_rewards, token_logprobs, token_values, unpack, unpack_next_token)
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
                                 start_generate, wait_for)
 from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
@@ -619,24 +619,28 @@ class ReferenceWorker(ModelWorker):
 
     def _logprobs(self, batch, with_entropy=False):
         """Log-probs of each next token at --temperature, (batch, seq - 1), and with_entropy the entropy of each
-        next-token distribution too. --packing_samples runs the micro-batch as one row without padding and puts
-        both back in the padded layout."""
+        next-token distribution too; 0 before the first response token of the micro-batch, whose prompt columns
+        need no logits. --packing_samples runs the micro-batch as one row without padding and puts both back in the
+        padded layout."""
+        start = 0
         if self.args.packing_samples:  # (1, total) each; no attention_mask: the restarting position_ids cut it
             input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])
             attention_mask = None
         else:
             input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-        logits = self.engine(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).logits[:, :-1]
+            start = response_start(batch["action_mask"])
+        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
-        outputs = [token_logprobs(logits, input_ids[:, 1:])]  # (rows, seq - 1)
+        outputs = [token_logprobs(logits, input_ids[:, start + 1:])]  # (rows, seq - 1 - start)
         if with_entropy:
             # At --entropy_coef 0 the entropy is only logged: with grad, autograd would keep its two fp32 (batch,
             # seq, vocab) intermediates until backward (GBs at a 128k vocabulary) and differentiate through them.
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.args.entropy_coef != 0):
-                outputs.append(entropy_from_logits(logits))  # (rows, seq - 1)
+                outputs.append(entropy_from_logits(logits))
         if self.args.packing_samples:
             outputs = [unpack_next_token(o, position_ids, index, batch["input_ids"].shape) for o in outputs]
+        else:
+            outputs = [torch.nn.functional.pad(o, (start, 0)) for o in outputs]  # (rows, seq - 1)
         return tuple(outputs) if with_entropy else outputs[0]
 
     @torch.no_grad()

@@ -1,5 +1,8 @@
 """What every script computes from a causal LM's logits: per-token log-probs, masked sums, entropy."""
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +22,42 @@ def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits  # (batch, seq, vocab)
     return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+
+
+def next_token_logits(model, input_ids, attention_mask=None, position_ids=None, start: int = 0) -> torch.Tensor:
+    """The logits that predict tokens start + 1 .. seq - 1, each from the positions before it: (batch, seq - 1 -
+    start, vocab), entry t for token start + t + 1.
+
+    Where the model's forward takes `logits_to_keep` (transformers' causal LMs do), its LM head runs on those
+    positions only. A PPO batch's prompt columns (response_start) need no logits, and at a vocabulary of 150k their
+    float32 logits and log-softmax are the largest tensors of a step. Other models compute every position's logits
+    and the ones before `start` are dropped.
+    """
+    kept = input_ids.shape[1] - start  # the last positions, whose logits are needed (the very last predicts nothing)
+    keep = {"logits_to_keep": kept} if start and takes_logits_to_keep(model) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   **keep).logits  # (batch, seq or kept, vocab)
+    return logits[:, -kept:-1]
+
+
+def response_start(action_mask: torch.Tensor) -> int:
+    """The first column of a (batch, seq - 1) next-token mask that is 1 in some row: no logits before it are used
+    (0 when no column is)."""
+    columns = action_mask.any(0).nonzero()
+    return int(columns[0]) if len(columns) else 0
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the causal LM under a DeepSpeed engine (`.module`) and a peft wrapper takes `logits_to_keep`."""
+    model = getattr(model, "module", model)
+    if hasattr(model, "get_base_model"):  # peft's PeftModel, whose forward passes its keyword arguments on
+        model = model.get_base_model()
+    return _forward_takes(type(model), "logits_to_keep")
+
+
+@functools.cache
+def _forward_takes(model_class: type, name: str) -> bool:
+    return name in inspect.signature(model_class.forward).parameters
 
 
 def sequence_sums(values: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

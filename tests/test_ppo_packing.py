@@ -1,7 +1,11 @@
 """--packing_samples in ppo_ray.py: the actor's and reference's log-probs and entropy, the critic's values, and the
 gradients of the policy and value losses are the padded ones, put back in the padded action_mask layout, on rows laid
 out as build_batch lays them and with left-padded prompts, on the default tiny model and on a tied-embedding Qwen2; a
-packed row whose sequences can see each other is not, which shows these comparisons can fail."""
+packed row whose sequences can see each other is not, which shows these comparisons can fail.
+
+The padded log-probs skip the prompt columns before a micro-batch's first response token (the LM head does not run
+there): they equal those of the model's full logits from that column on, also for a model that computes every
+position's logits."""
 
 import pytest
 import torch
@@ -9,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import ppo_ray
 from common import lora
-from common.modeling import pack_rows, unpack, unpack_next_token
+from common.modeling import pack_rows, response_start, unpack, unpack_next_token
 from common.tiny_model import write_tiny_model
 
 PROMPT_LENS = [3, 7, 2, 5, 9, 4, 6, 2]
@@ -89,14 +93,23 @@ def left_padded(batch: dict, pad_id: int) -> dict:
 
 
 def both_real(batch: dict) -> torch.Tensor:
-    """(batch, seq - 1): the next-token entries whose token and next token are both real, where padded and packed
-    results must agree; every other entry of the packed results must be 0."""
+    """(batch, seq - 1): the next-token entries whose token and next token are both real; every other entry of the
+    packed results must be 0."""
     mask = batch["attention_mask"].bool()
     return mask[:, :-1] & mask[:, 1:]
 
 
-def assert_packed_equals_padded(packed: torch.Tensor, padded: torch.Tensor, real: torch.Tensor) -> None:
-    torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
+def from_response(batch: dict) -> torch.Tensor:
+    """both_real from the batch's first response column on, where padded and packed log-probs must agree: the
+    padded ones are 0 before it, where no logits were computed."""
+    real = both_real(batch)
+    real[:, : response_start(batch["action_mask"])] = False
+    return real
+
+
+def assert_packed_equals_padded(packed: torch.Tensor, padded: torch.Tensor, compared: torch.Tensor,
+                                real: torch.Tensor) -> None:
+    torch.testing.assert_close(packed[compared], padded[compared], rtol=0, atol=1e-5)
     assert (packed[~real] == 0).all(), "the packed results leave something at the padding"
 
 
@@ -139,10 +152,10 @@ def test_packed_logprobs_and_entropy_equal_padded(model_dir, tokenizer, layout):
                                    temperature=0.7)._logprobs(batch, with_entropy=True)
         assert logprobs.requires_grad and entropy.requires_grad
         results.append((logprobs.detach(), entropy.detach()))
-    real = both_real(batch)
-    assert not (batch["action_mask"].bool() & ~real).any()  # every trained entry is compared
+    compared = from_response(batch)
+    assert not (batch["action_mask"].bool() & ~compared).any()  # every trained entry is compared
     for padded, packed in zip(*results):
-        assert_packed_equals_padded(packed, padded, real)
+        assert_packed_equals_padded(packed, padded, compared, both_real(batch))
 
 
 def test_packed_logprobs_of_the_experience_pass_equal_padded(model_dir, tokenizer):
@@ -151,8 +164,8 @@ def test_packed_logprobs_of_the_experience_pass_equal_padded(model_dir, tokenize
     engine = policy(model_dir)
     padded, packed = (worker(ppo_ray.ReferenceWorker, engine, packing_samples=packing,
                              micro_train_batch_size=3).logprobs(batch) for packing in (False, True))
-    assert packed.shape == batch["action_mask"].shape
-    assert_packed_equals_padded(packed, padded, both_real(batch))
+    assert packed.shape == batch["action_mask"].shape  # each micro-batch skips its own prompt columns
+    assert_packed_equals_padded(packed, padded, batch["action_mask"].bool(), both_real(batch))
 
 
 def test_packed_row_whose_sequences_see_each_other_gives_other_logprobs(model_dir, tokenizer, monkeypatch):
@@ -169,9 +182,47 @@ def test_packed_row_whose_sequences_see_each_other_gives_other_logprobs(model_di
 
         monkeypatch.setattr(ppo_ray, "pack_rows", counting_on)
         leaked = worker(ppo_ray.ActorWorker, engine, packing_samples=True)._logprobs(batch)
-    real = both_real(batch)
+    real = from_response(batch)
     torch.testing.assert_close(leaked[0][real[0]], padded[0][real[0]], rtol=0, atol=1e-5)  # sees nothing before it
     assert (leaked[1:][real[1:]] - padded[1:][real[1:]]).abs().median() > 1e-3
+
+
+class AllLogits(torch.nn.Module):
+    """A causal LM whose forward has no `logits_to_keep`, as a model from outside transformers may not."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=use_cache)
+
+
+@pytest.mark.parametrize("layout", ["build_batch", "left-padded prompts"])
+def test_padded_logprobs_skip_the_prompt_columns_and_equal_the_full_logits(model_dir, tokenizer, layout):
+    batch = rollout_batch(tokenizer)
+    if layout != "build_batch":
+        batch = left_padded(batch, tokenizer.pad_token_id)
+    start, seq = response_start(batch["action_mask"]), batch["input_ids"].shape[1]
+    assert start > 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, :-1] / 0.7
+        full = (ppo_ray.token_logprobs(logits, batch["input_ids"][:, 1:]), ppo_ray.entropy_from_logits(logits))
+        head_positions = []
+        model.lm_head.register_forward_hook(lambda _, inputs, __: head_positions.append(inputs[0].shape[1]))
+        lora_model = lora.wrap(model, ppo_ray.Args(lora_rank=4, lora_alpha=8), "CAUSAL_LM")  # B = 0: same logits
+        for module, positions in ((model, seq - start), (lora_model, seq - start), (AllLogits(model), seq)):
+            head_positions.clear()
+            skipped = worker(ppo_ray.ActorWorker, RecordingEngine(module), temperature=0.7)._logprobs(
+                batch, with_entropy=True)
+            assert head_positions == [positions], type(module).__name__
+            for ours, theirs in zip(skipped, full):
+                assert ours.shape == theirs.shape
+                torch.testing.assert_close(ours[:, start:], theirs[:, start:], rtol=0, atol=1e-5)
+                assert (ours[:, :start] == 0).all()
 
 
 def experience(batch: dict, logprobs: torch.Tensor) -> dict:
@@ -220,7 +271,8 @@ def test_packed_values_equal_padded(model_dir, tokenizer, layout):
     with torch.no_grad():
         padded, packed = (worker(ppo_ray.CriticWorker, engine, packing_samples=packing)._values(batch)
                           for packing in (False, True))
-    assert_packed_equals_padded(packed, padded, batch["attention_mask"][:, :-1].bool())
+    real = batch["attention_mask"][:, :-1].bool()
+    assert_packed_equals_padded(packed, padded, real, real)
 
 
 def test_packed_values_of_the_experience_pass_equal_padded(model_dir, tokenizer):
@@ -229,7 +281,8 @@ def test_packed_values_of_the_experience_pass_equal_padded(model_dir, tokenizer)
     padded, packed = (worker(ppo_ray.CriticWorker, engine, packing_samples=packing,
                              micro_train_batch_size=3).values(batch) for packing in (False, True))
     assert packed.shape == batch["action_mask"].shape
-    assert_packed_equals_padded(packed, padded, batch["attention_mask"][:, :-1].bool())
+    real = batch["attention_mask"][:, :-1].bool()
+    assert_packed_equals_padded(packed, padded, real, real)
 
 
 def test_value_loss_gradients_equal_packed_and_padded(model_dir, tokenizer):
@@ -265,5 +318,5 @@ def test_packed_values_of_a_lora_critic_equal_padded(tiny_model):
         with engine.module.disable_adapter():
             unadapted = worker(ppo_ray.CriticWorker, engine, packing_samples=True)._values(batch)
     real = batch["attention_mask"][:, :-1].bool()
-    assert_packed_equals_padded(packed, padded, real)
+    assert_packed_equals_padded(packed, padded, real, real)
     assert (packed[real] - unadapted[real]).abs().max() > 1e-3  # the adapters and the trained head took part
