@@ -46,7 +46,7 @@ from common.args import (UserError, check_causal_lm, check_lengths, check_model_
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
                                     init_train_engine, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs, sequence_sums
+from common.modeling import next_token_logprobs, response_start, sequence_sums
 
 
 @dataclass
@@ -166,8 +166,8 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the chosen and of the rejected responses, summed over response tokens: (pairs,) each."""
-    logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
-                                   batch.get("position_ids"))  # (2 * pairs, seq - 1), or (1, total - 1) packed
+    logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"),
+                                   response_start(batch["loss_mask"][:, 1:]))  # (2 * pairs, seq - 1), or (1, total - 1)
     logps = sequence_sums(logprobs * batch["loss_mask"][:, 1:], batch.get("position_ids"))  # (2 * pairs,)
     return logps.chunk(2)
 

@@ -44,7 +44,7 @@ from common.args import (UserError, check_causal_lm, check_lengths, check_model_
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
                                     init_train_engine, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs, sequence_sums
+from common.modeling import next_token_logprobs, response_start, sequence_sums
 
 
 @dataclass
@@ -166,8 +166,8 @@ def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the responses and of the mismatched pairs' responses, summed over tokens: (batch,) each."""
-    logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"),
-                                   batch.get("position_ids"))  # (2 * batch, seq - 1), or (1, total - 1) packed
+    logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"),
+                                   response_start(batch["loss_mask"][:, 1:]))  # (2 * batch, seq - 1), or (1, total - 1)
     logps = sequence_sums(logprobs * batch["loss_mask"][:, 1:], batch.get("position_ids"))  # (2 * batch,)
     return logps.chunk(2)
 

@@ -29,7 +29,7 @@ from common.args import check_causal_lm, check_lengths, check_model_path, check_
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs
+from common.modeling import next_token_logprobs, response_start
 
 
 @dataclass
@@ -128,8 +128,9 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logprobs(model, batch: dict) -> torch.Tensor:
-    """Next-token log-probs for a padded or a packed batch."""
-    return next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
+    """Next-token log-probs for a padded or a packed batch; 0 before the first trained token."""
+    return next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"),
+                               response_start(batch["loss_mask"][:, 1:]))
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 

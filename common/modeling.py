@@ -17,11 +17,11 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-    """Log-prob of each token given the ones before it: (batch, seq - 1), entry t is for token t + 1."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits  # (batch, seq, vocab)
-    return token_logprobs(logits[:, :-1], input_ids[:, 1:])
+def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None, start: int = 0) -> torch.Tensor:
+    """Log-prob of each token given the ones before it: (batch, seq - 1), entry t is for token t + 1; 0 before entry
+    `start`, whose logits next_token_logits skips (response_start of the loss mask: the prompts need none)."""
+    logits = next_token_logits(model, input_ids, attention_mask, position_ids, start)  # (batch, seq - 1 - start, vocab)
+    return F.pad(token_logprobs(logits, input_ids[:, start + 1:]), (start, 0))
 
 
 def next_token_logits(model, input_ids, attention_mask=None, position_ids=None, start: int = 0) -> torch.Tensor:
