@@ -128,9 +128,9 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logprobs(model, batch: dict) -> torch.Tensor:
-    """Next-token log-probs for a padded or a packed batch; 0 before the first trained token."""
-    return next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"),
-                               response_start(batch["loss_mask"][:, 1:]))
+    """Next-token log-probs for a padded or a packed batch; 0 before its loss mask's first trained token."""
+    start = response_start(batch["loss_mask"][:, 1:]) if "loss_mask" in batch else 0
+    return next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"), start)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 

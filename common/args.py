@@ -219,7 +219,7 @@ def run_main(main, args, saved=None) -> None:
     Ctrl-C and SIGTERM (a scheduler's stop) end it with one sentence too, exit code 130: "interrupted; the
     checkpoint of step 40 in DIR is intact. Rerun the same command to resume.", where `saved(args)` names what
     survives (e.g. checkpoint.saved_note). Every rank hits the same mistake, so only rank 0 prints it. Anything else
-    keeps its full traceback. A process in a torch.distributed group leaves through os._exit (_exit_if_distributed
+    keeps its full traceback. A process in a torch.distributed group leaves through os._exit (exit_if_distributed
     says why).
     """
     if not sys.stderr.isatty():  # in a log file, the "Loading weights" bars' redraws are noise
@@ -234,7 +234,7 @@ def run_main(main, args, saved=None) -> None:
     except KeyboardInterrupt:
         where = saved(args) if saved else None
         _stop(f"interrupted; {where}. Rerun the same command to resume." if where else "interrupted.", 130)
-    _exit_if_distributed(0)
+    exit_if_distributed(0)
 
 
 def _stop(message: str, exit_code: int) -> None:
@@ -252,11 +252,11 @@ def _stop(message: str, exit_code: int) -> None:
     if os.environ.get("RANK", "0") == "0":
         sys.stderr.write(f"error: {message}\n")  # one write: a line no other thread can split
         sys.stderr.flush()
-    _exit_if_distributed(exit_code)
+    exit_if_distributed(exit_code)
     sys.exit(exit_code)
 
 
-def _exit_if_distributed(exit_code: int) -> None:
+def exit_if_distributed(exit_code: int) -> None:
     """End a process that is in a torch.distributed group (a trainer, even with one rank) with os._exit, once its
     output is flushed; return in any other.
 

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 import ppo_ray
+from common.args import exit_if_distributed
 from common.net import free_port
 from common.ray_workers import RayWorker
 
@@ -82,7 +83,7 @@ def _actor_step(rank: int, port: int, path: str, on_policy: bool, out: str):
             logprobs, experience["vllm_logprobs"], mask, args.vllm_is_cap)
     metrics.update(worker.fit(experience, 0.05, 0))
     torch.save({"state": gathered_state_dict(worker.engine.module, 0), "metrics": metrics}, out)
-    torch.distributed.destroy_process_group()
+    exit_if_distributed(0)  # as the scripts end a rank: the interpreter's own exit aborts now and then
 
 
 @pytest.mark.slow
