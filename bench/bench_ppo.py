@@ -11,7 +11,7 @@ common/deepspeed_utils.keep_freed_cpu_memory) measures each phase's limit on the
 - experience: plain `torch.no_grad()` forwards of the models the phase runs (actor and reference log-probs, critic
   values) over the last rollout's sequences, in the same micro-batches;
 - train: a plain forward + backward of the actor (and the critic) on the same micro-batches and one AdamW step
-  each, as one PPO step with one epoch does;
+  each (torch's fused kernel, the fastest it has), as one PPO step with one epoch does;
 - sync: one raw gloo broadcast of the model's bytes to another process, which loads nothing.
 
 A ratio is the limit's time over the phase's (generation: ppo_ray.py's token rate over the engine's), so 1.0 is at
@@ -132,7 +132,7 @@ def micro_batches(batch: dict, size: int) -> list[dict]:
 
 def experience_and_train_limits(model_dir: str, batch: dict, settings: dict) -> dict:
     """Plain torch on all cores: no_grad forwards of the actor, reference and critic over the batch, then one
-    training step of the actor and of the critic (forward + backward per micro-batch, one AdamW step)."""
+    training step of the actor and of the critic (forward + backward per micro-batch, one fused AdamW step)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -154,7 +154,7 @@ def experience_and_train_limits(model_dir: str, batch: dict, settings: dict) -> 
             for mb in micro:
                 token_values(critic, mb["input_ids"], mb["attention_mask"])
 
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-7) for m in (actor, critic)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-7, fused=True) for m in (actor, critic)]  # torch's fastest
 
     def train():  # a loss of the same shape as PPO's: a masked mean over the response tokens
         actor.train()
