@@ -54,3 +54,21 @@ def test_zero3_optimizer_decays_the_matrices(tiny_model, tmp_path, world_size):
     wrong = {name: wd for name, (wd, shape, _) in decay.items()
              if wd != (WEIGHT_DECAY if name in matrices and "norm" not in name else 0.0)}
     assert not wrong, f"parameters in the wrong weight-decay group: {wrong}"
+
+
+def test_adamw_takes_torchs_fused_kernel_and_falls_back_on_a_device_without_one(monkeypatch):
+    from common.deepspeed_utils import adamw
+
+    model = torch.nn.Linear(4, 4)
+    assert adamw(model, 1e-3, 0.1).defaults["fused"] is True
+    real = torch.optim.AdamW
+
+    def without_fused(*args, fused=None, **kwargs):  # torch's refusal on a device it has no fused kernel for
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported "
+                               "devices: ['cuda', 'xpu', 'privateuseone'].")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", without_fused)
+    optimizer = adamw(model, 1e-3, 0.1)
+    assert not optimizer.defaults["fused"] and [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
