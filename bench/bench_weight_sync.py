@@ -2,11 +2,14 @@
 
     .venv/bin/python bench/bench_weight_sync.py                        # tiny, 512x8 and 768x12 (~85M parameters)
     .venv/bin/python bench/bench_weight_sync.py --configs tiny --repeats 5
+    .venv/bin/python bench/bench_weight_sync.py --shared_memory false      # over gloo
 
-The sync (common/weight_sync.broadcast_weights_to_vllm) packs the HF model's parameters into buckets, broadcasts
-them to one vLLM engine (a Ray actor, CPU, float32) and loads them in place. The baseline sends the same number
-of bytes from the same process to a bare Ray actor in one gloo broadcast, with one Ray call, and loads nothing:
-the ratio is what packing, the per-bucket Ray calls, splitting and vLLM's weight loading cost on top of the wire.
+The sync (common/weight_sync.broadcast_weights_to_vllm) packs the HF model's parameters into buckets, hands them
+to one vLLM engine (a Ray actor, CPU, float32) and loads them in place. The engine runs on this host, so it copies
+each bucket out of the trainer's shared memory, as it does in a run; --shared_memory false sends the buckets over
+gloo instead, as to an engine on another host. The baseline sends the same number of bytes from the same process to
+a bare Ray actor in one gloo broadcast, with one Ray call, and loads nothing: the ratio is what packing, the
+per-bucket Ray calls, the transport, splitting and vLLM's weight loading cost on top of that wire.
 """
 
 import os
@@ -46,6 +49,9 @@ class Args:
     """bucket size of the sync, in MiB"""
     repeats: int = 3
     """timed runs per measurement (after one untimed warm-up); the median is reported"""
+    shared_memory: bool = True
+    """the engine, on this host, copies the buckets out of shared memory as it does in a run; false: over gloo, as
+    an engine on another host gets them"""
 
 
 @ray.remote(num_cpus=0)
@@ -79,7 +85,7 @@ def bench_one(name: str, args: Args, workdir: str) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         engines = create_vllm_engines(1, 1, path, seed=0, max_model_len=256, enforce_eager=True, dtype="float32")
-        group = init_weight_sync_group(engines)
+        group = init_weight_sync_group(engines, shared_memory=args.shared_memory)
         loads = []
 
         def sync():
@@ -116,7 +122,9 @@ def main(args: Args):
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.configs:
             rows.append(bench_one(name, args, workdir))
-    print(f"\nweight sync vs raw gloo broadcast (CPU, float32, bucket {args.bucket_mb} MiB, median of {args.repeats})")
+    how = "shared memory" if args.shared_memory else "gloo"
+    print(f"\nweight sync over {how} vs raw gloo broadcast (CPU, float32, bucket {args.bucket_mb} MiB, median of "
+          f"{args.repeats})")
     print("('vLLM load': the part of the sync vLLM spends putting the tensors into its model, on CPU mostly repacking\n"
           " the linear layers for its GEMM kernels; 'ratio w/o load' leaves it out)")
     print(f"{'model':>8} {'params':>8} {'MiB':>8} {'tensors':>8} {'buckets':>8} {'sync s':>8} {'vLLM load':>9} "

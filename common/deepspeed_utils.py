@@ -4,7 +4,6 @@ One code path for CPU and GPU: on CUDA the model trains in bf16 with NCCL (and f
 on CPU in fp32 with gloo. `python script.py` runs as a single rank; `deepspeed --num_gpus N script.py` runs N.
 """
 
-import ctypes
 import glob
 import math
 import os
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
 from common.args import UserError, check_causal_lm, check_model_path
+from common.cpu_memory import keep_freed_memory
 from common.lora import dequantized
 from common.net import free_port
 
@@ -55,29 +55,11 @@ def wait_for_op_builds(timeout_s: float = STALE_BUILD_LOCK_S) -> None:
             time.sleep(1)
 
 
-# glibc's mallopt parameters, and the largest mmap threshold it accepts on 64-bit systems (32 MiB)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX = -1, -3, 32 * 2**20
-
-
 def keep_freed_cpu_memory() -> bool:
-    """Have glibc's malloc keep freed memory for the next allocation instead of handing it back to the system.
-
-    Training on CPU allocates and frees the same activations and gradients every step. By default glibc serves a
-    block over a threshold that adapts with a fresh mmap and unmaps it when freed, and returns a heap's free top to the
-    system beyond twice that threshold: the next step page-faults it all back in. For the 21M model of
-    bench/bench_vs_trl.py's small shape that was some 20,000 page faults a step, and ppo_ray.py's update took 0.50-0.55
-    s against 0.41-0.43 s with this (two runs each). Blocks up to 32 MiB (glibc's limit) now come from the heap, whose
-    free memory is kept up to 2 GiB: the process holds its peak from one step to the next, which it reaches again
-    anyway. Only on CPU: on GPUs activations live in device memory, whose caching allocator already keeps it. Returns
-    whether it took effect (it does nothing outside glibc).
+    """On CPU, have glibc's malloc keep freed memory for the next allocation (common/cpu_memory.py); returns whether
+    it took effect. Only on CPU: on GPUs activations live in device memory, whose caching allocator already keeps it.
     """
-    if get_accelerator().device_name() != "cpu":
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): their allocators differ
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return get_accelerator().device_name() == "cpu" and keep_freed_memory()
 
 
 def init_distributed() -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ from ray.util.placement_group import placement_group as new_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError, check_model_path
+from common.cpu_memory import keep_freed_memory
 from common.ray_workers import check_alive, wait
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class VLLMEngine:
             os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
         if not use_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+            keep_freed_memory()  # every weight sync rebuilds the layers' weights in fresh blocks of memory
         import vllm
 
         self.use_gpu = use_gpu
@@ -132,12 +134,18 @@ class VLLMEngine:
     def init_weight_sync_group(self, master_address: str, master_port: int, ranks: list[int | None],
                                world_size: int, backend: str) -> None:
         """Join every worker of this engine to the trainer's weight-sync group as ranks[tensor-parallel rank], None
-        meaning CUDA IPC (see common/weight_sync.py)."""
+        meaning that the worker copies out of the trainer's memory (see common/weight_sync.py)."""
         self.llm.collective_rpc("weight_sync_init", args=(master_address, master_port, ranks, world_size, backend))
 
+    def can_map_shared_bucket(self, handle: dict) -> list[bool]:
+        """Whether each worker of this engine can copy buckets out of the trainer's shared memory (see
+        common/weight_sync.py), in tensor-parallel rank order."""
+        return self.llm.collective_rpc("weight_sync_can_map", args=(handle,))
+
     def update_weights(self, meta: list[tuple[str, str, tuple[int, ...]]], handle: dict | None = None) -> float:
-        """Receive one bucket of weights, listed as (name, dtype, shape), from the trainer's broadcast, or its CUDA
-        IPC handle for a worker on the trainer's GPU; returns the seconds the slowest worker spent loading it."""
+        """Receive one bucket of weights, listed as (name, dtype, shape), from the trainer's broadcast, or from the
+        trainer's memory that `handle` names (CUDA IPC on its GPU, shared memory on its host); returns the seconds
+        the slowest worker spent loading it."""
         return max(self.llm.collective_rpc("weight_sync_receive_bucket", args=(meta, handle)))
 
     def finish_weight_update(self) -> float:

@@ -1,4 +1,4 @@
-"""keep_freed_cpu_memory: a CPU trainer's freed memory serves its next step without page faults."""
+"""keep_freed_memory: a CPU trainer's freed memory serves its next step without page faults."""
 
 import json
 import subprocess
@@ -17,8 +17,8 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 took = None
 if sys.argv[1] == "keep":
-    from common.deepspeed_utils import keep_freed_cpu_memory
-    took = keep_freed_cpu_memory()
+    from common.cpu_memory import keep_freed_memory
+    took = keep_freed_memory()
 faulted = []
 for step in range(5):
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -33,7 +33,7 @@ print(json.dumps({"took": took, "faulted_mib": faulted}))
 
 
 def probe(mode: str) -> tuple[bool | None, list[float]]:
-    """(whether keep_freed_cpu_memory took effect, MiB page-faulted in at each step) in a fresh process."""
+    """(whether keep_freed_memory took effect, MiB page-faulted in at each step) in a fresh process."""
     env = {"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-c", PROBE, mode, json.dumps(STEP_MIB)], check=True, capture_output=True,
                          text=True, cwd=ROOT, env=env)

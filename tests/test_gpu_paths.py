@@ -102,7 +102,8 @@ def test_deepspeed_launcher_on_a_two_gpu_host_starts_one_driver(tmp_path):
 
 
 @pytest.mark.parametrize("transports,tp_sizes,ranks,size", [
-    (["gloo", "gloo"], [1, 1], [[1], [2]], 3),                      # CPU
+    (["gloo", "gloo"], [1, 1], [[1], [2]], 3),                      # CPU, engines on other hosts
+    (["shm", "gloo"], [1, 1], [[None], [1]], 2),                     # CPU, one engine on the trainer's host
     (["ipc", "nccl", "nccl", "nccl"], [1, 1, 1, 1], [[None], [1], [2], [3]], 4),  # --colocate_all, 4 GPUs
     (["ipc", "nccl", "nccl", "nccl"], [2, 2], [[None, 1], [2, 3]], 4),  # --colocate_all, tensor parallel 2
     (["ipc"], [1], [[None]], 1),                                     # one GPU for everything: no group at all
@@ -111,6 +112,13 @@ def test_weight_sync_group_leaves_out_the_workers_on_the_trainers_gpu(transports
     from common.weight_sync import group_ranks
 
     assert group_ranks(transports, tp_sizes) == (ranks, size)
+
+
+def test_cpu_workers_on_the_trainers_host_get_shared_memory_and_others_gloo():
+    from common.weight_sync import plan_transports
+
+    workers = [{"node": "a", "gpu_ids": []}, {"node": "b", "gpu_ids": []}, {"node": "a", "gpu_ids": []}]
+    assert plan_transports({"node": "a", "gpu_ids": []}, workers) == ["shm", "gloo", "shm"]
 
 
 @pytest.mark.parametrize("gpus", [1, 2])

@@ -1,10 +1,11 @@
 """Check that weights broadcast from a trainer-side HF model make a live vLLM engine (Ray actor) generate like it.
 
-Runs the real stack on CPU: Ray, one vLLM engine, a gloo weight-sync group. One engine serves all tests of a model
-variant (starting one costs ~20 s and its first generate ~12 s), and every test runs on two variants that differ
-where real models differ: the project's default tiny Llama (untied embeddings, no biases) and a Qwen2 with tied
-input/output embeddings and q/k/v biases, as Qwen2.5-0.5B ships. A last test gathers a 2-rank ZeRO-3 model with
-iter_gathered_params, the trainer-side source of the weights.
+Runs the real stack on CPU: Ray, one vLLM engine, the weight sync. One engine serves all tests of a model variant
+(starting one costs ~20 s and its first generate ~12 s), and every test runs on variants that differ where real
+models differ: the project's default tiny Llama (untied embeddings, no biases) and a Qwen2 with tied input/output
+embeddings and q/k/v biases, as Qwen2.5-0.5B ships; both take their weights from the trainer's shared memory, as an
+engine on the trainer's host does, and a third, the Llama again, over a gloo group, as an engine on another host.
+A last test gathers a 2-rank ZeRO-3 model with iter_gathered_params, the trainer-side source of the weights.
 """
 
 import os
@@ -34,19 +35,21 @@ TEXTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9.", "What is 40+41?
 ROUNDING_LEVEL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2_tied"])
+@pytest.fixture(scope="module", params=["llama", "qwen2_tied", "llama over gloo"])
 def stack(request, tiny_model, tmp_path_factory):
-    """Ray with 2 CPUs, one float32 vLLM engine on a tiny model variant, and the weight-sync group."""
-    path = tiny_model if request.param == "llama" else write_tiny_model(
-        str(tmp_path_factory.mktemp("qwen2_tied")), seed=0, architecture="qwen2", tie_word_embeddings=True)
+    """Ray with 2 CPUs, one float32 vLLM engine on a tiny model variant, and the weight-sync group: over shared
+    memory, as an engine on the trainer's host gets its weights, or over gloo, as one on another host does."""
+    path = write_tiny_model(str(tmp_path_factory.mktemp("qwen2_tied")), seed=0, architecture="qwen2",
+                            tie_word_embeddings=True) if request.param == "qwen2_tied" else tiny_model
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         engines = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain_path=path, seed=0,
                                       max_model_len=256, enforce_eager=True, dtype="float32")
-        group = init_weight_sync_group(engines)
+        transport = "gloo" if request.param.endswith("gloo") else "shm"
+        group = init_weight_sync_group(engines, shared_memory=transport == "shm")
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
-        yield {"path": path, "engines": engines, "group": group, "prompts": prompts}
+        yield {"path": path, "engines": engines, "group": group, "prompts": prompts, "transport": transport}
     finally:
         ray.shutdown()
 
@@ -87,6 +90,16 @@ def hf_logprobs(model, prompt, tokens):
     logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)  # (seq, vocab)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
     return logprobs[positions, torch.tensor(tokens)]
+
+
+def test_the_engine_is_reached_by_the_transport_asked_for(stack):
+    """On the trainer's host the engine copies out of the trainer's memory and no process group is built; with
+    shared_memory=False it joins a gloo group, which the other tests then exercise."""
+    group = stack["group"]
+    if stack["transport"] == "shm":
+        assert (group.local, group.group) == ("shm", None) and group.shared is not None
+    else:
+        assert (group.local, group.shared) == (None, None) and group.group is not None
 
 
 def test_synced_engine_generates_like_the_trainer(stack):
