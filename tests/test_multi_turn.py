@@ -5,13 +5,14 @@ import os
 import re
 
 import pytest
+import torch
 from conftest import ROOT, SEED, expect, mean, metrics, run_script
 from sum_env import make_env
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import UserError
-from common.data import load_records
+from common.data import load_records, render_prompt
 from common.multi_turn import run_episodes
-from common.task_eval import greedy_responses
 from common.tiny_model import build_tokenizer
 
 
@@ -93,6 +94,17 @@ def test_episodes_end_at_max_turns_at_the_budget_and_without_a_chat_template():
     assert e["turns"] == 1 and e["finish_reason"] == "length" and sum(e["env_mask"]) == len(e["token_ids"])
 
 
+def test_the_environment_pays_for_the_direction_of_the_next_guess():
+    env = make_env()
+    assert env.reset("What is 2+3?", "5") is None
+    assert env.step("9") == ("lower", 0.0, False)  # a first guess has no reply to follow
+    assert env.step("12") == ("lower", -1.0, False)  # told lower, went up
+    assert env.step("12") == ("lower", 0.0, False)  # the same guess again: no direction
+    assert env.step("no idea") == ("a number, please", 0.0, False)
+    assert env.step("3") == ("higher", 0.0, False)  # after "a number, please" there is no direction to follow
+    assert env.step("5") == ("", 2.0, True)  # right, and up as told
+
+
 class Broken:
     def __init__(self, result):
         self.result = result
@@ -119,23 +131,38 @@ def test_an_environment_that_answers_wrongly_gets_one_sentence(result, says):
 
 
 # ----------------------------------------------------------------------------------------------- on the real stack
-def feedback_following(model_dir: str, prompts_file: str, limit: int = 200) -> float:
-    """How much the policy acts on the reply. Each held-out sum is answered greedily; where the answer is a wrong
-    number (where a reply comes in an episode), it is told "higher" in one conversation and "lower" in another,
-    whatever the truth. Returns P(its next answer after "higher" is above the one after "lower") - P(below): 0 for a
-    policy that ignores the reply, 1 for one that always follows it."""
+@torch.no_grad()
+def following_the_reply(model_dir: str, prompts_file: str, limit: int = 200, samples: int = 8) -> float:
+    """How the policy acts on the reply, measured on held-out sums with sampling (the way it acts in training), from
+    a fixed seed: each sum gets a first answer; where that is a wrong number, the environment's reply follows, and
+    `samples` next answers are drawn. Returns the share of them that move the way they were told minus the share that
+    move the other way (repeats and answers without a number count as neither)."""
     def number(text):
         found = re.findall(r"-?\d+", text)
         return int(found[0]) if found else None
 
+    def sample(conversations, n):
+        texts = [render_prompt(tokenizer, c, True, None) for c in conversations]
+        outs = []
+        for i in range(0, len(texts), 64):
+            enc = tokenizer(texts[i: i + 64], return_tensors="pt", padding=True, add_special_tokens=False)
+            ids = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
+                                 num_return_sequences=n, pad_token_id=tokenizer.pad_token_id)
+            outs += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return [outs[j * n: (j + 1) * n] for j in range(len(texts))]
+
+    torch.manual_seed(SEED)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = load_records(prompts_file)[:limit]
-    first = greedy_responses(model_dir, [[{"role": "user", "content": r["prompt"]}] for r in rows])
-    wrong = [(r, answer) for r, answer in zip(rows, first) if number(answer) not in (None, int(r["label"]))]
-    told = [[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": answer.strip()},
-             {"role": "user", "content": reply}] for r, answer in wrong for reply in ("higher", "lower")]
-    second = [number(text) for text in greedy_responses(model_dir, told)]
-    pairs = [(h, lo) for h, lo in zip(second[::2], second[1::2]) if h is not None and lo is not None]
-    return (sum(h > lo for h, lo in pairs) - sum(h < lo for h, lo in pairs)) / max(1, len(wrong))
+    first = [number(a) for [a] in sample([[{"role": "user", "content": r["prompt"]}] for r in rows], 1)]
+    wrong = [(r, a, "higher" if a < int(r["label"]) else "lower")
+             for r, a in zip(rows, first) if a is not None and a != int(r["label"])]
+    told = sample([[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": str(a)},
+                    {"role": "user", "content": reply}] for r, a, reply in wrong], samples)
+    moves = [(guess > a) == (reply == "higher") for (_, a, reply), nexts in zip(wrong, told)
+             for guess in map(number, nexts) if guess is not None and guess != a]
+    return (sum(moves) - (len(moves) - sum(moves))) / max(1, len(wrong) * samples)
 
 
 @pytest.mark.slow
@@ -150,7 +177,7 @@ def test_grpo_in_a_multi_turn_environment_learns_to_act_on_its_replies(sft_model
         "--apply_chat_template", "--output_dir", out, "--prompt_max_len", "64", "--generate_max_len", "32",
         "--env_fn", f"{ROOT}/tests/sum_env.py:make_env", "--max_turns", "3", "--advantage_estimator", "grpo",
         "--n_samples_per_prompt", "8", "--rollout_batch_size", "64", "--train_batch_size", "128",
-        "--micro_train_batch_size", "64", "--actor_learning_rate", "3e-4", "--init_kl_coef", "0.001",
+        "--micro_train_batch_size", "64", "--actor_learning_rate", "1e-3", "--init_kl_coef", "0.001",
         "--max_steps", "8", "--seed", str(SEED)])
     log = [m for m in metrics(out) if "objective/scores" in m]
     assert log[0]["env/turns"] > 1.5, log[0]  # most episodes took more than one turn
@@ -158,9 +185,11 @@ def test_grpo_in_a_multi_turn_environment_learns_to_act_on_its_replies(sft_model
     # them, are vLLM's own (a token shifted by one would differ by whole nats).
     assert max(m["vllm/logprob_diff"] for m in log) < 1e-4, [m["vllm/logprob_diff"] for m in log]
     scores = [m["objective/scores"] for m in log]
-    expect("multi-turn: episode reward, last 3 steps - step 1", mean(scores[-3:]) - scores[0], ">=", 0.15)
-    before, after = (feedback_following(m, task["prompts_eval"]) for m in (sft_model, out))
-    expect("multi-turn: acting on the reply, trained - SFT", after - before, ">=", 0.2)
+    expect("multi-turn: episode reward, last 3 steps - first 2", mean(scores[-3:]) - mean(scores[:2]), ">=", 0.2)
+    # The replies are true, so moving as told is also moving towards the sum: this cannot tell reading the reply from
+    # a better second try, but the SFT model's second tries move as told only a little more often than not.
+    before, after = (following_the_reply(m, task["prompts_eval"]) for m in (sft_model, out))
+    expect("multi-turn: moving as told, trained - SFT", after - before, ">=", 0.2)
     episodes = [s["response"] for s in map(json.loads, open(os.path.join(out, "eval_samples.jsonl")))]
     assert any("higher" in e or "lower" in e for e in episodes), episodes[:3]
 
