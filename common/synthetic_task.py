@@ -8,11 +8,13 @@ whatever CPU it trains on (training trajectories differ between CPUs; an effect 
     problems it could;
   - every preference, KTO and reward signal prefers the right sum to a clearly worse response: the refusal, a
     malformed answer, a number far off, or (a minority) a near miss. Removing the habit is what each preference stage
-    (reward model, PPO, DPO, KTO, rejection sampling) is expected to do, and that raises the accuracy by tens of points;
-  - the sums are small (operands below 20) so that a short SFT learns the arithmetic itself, and removing the
-    habit pays in right answers, not only in numbers. With operands below 40 the 600-step SFT got 17-21% of the
-    smaller held-out sums right on some seeds and 77% on others (when its loss left a plateau varied), and every
-    later stage's accuracy gain was capped near 10 points; below 20 it gets 74-84%.
+    (reward model, PPO, DPO, KTO, rejection sampling) is expected to do, and that raises the share answered with a
+    number by tens of points (the accuracy by less, see below);
+  - the sums are small (operands below 40). The SFT model learns the arithmetic only in part, and how far is
+    luck: of the smaller held-out sums, the 600-step SFT got 21% right (seed 0), and 900 steps with weight decay
+    0.1 got 74%, 38%, 17% and 11% (seeds 0-3). So removing the habit pays about 10 points of held-out accuracy,
+    and the tests' accuracy thresholds sit below that. Operands below 20 are no cure: seeds 0 and 2 learned the
+    arithmetic (74-84%), seed 1 memorised its 320 training pairs (100% on them, 2% on held-out ones).
 
 Train and eval problems never share an operand pair.
 
@@ -106,7 +108,7 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, max_operand: int = 20,
+def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, max_operand: int = 40,
                refusal_rate: float = 0.7) -> dict:
     """Write the task's files into `out` and return {name: path}.
 
@@ -155,7 +157,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seed of the problem sampler")
     parser.add_argument("--n_train", type=int, default=4000, help="training problems")
     parser.add_argument("--n_eval", type=int, default=200, help="held-out problems")
-    parser.add_argument("--max_operand", type=int, default=20, help="operands are drawn from [0, max_operand)")
+    parser.add_argument("--max_operand", type=int, default=40, help="operands are drawn from [0, max_operand)")
     parser.add_argument("--refusal_rate", type=float, default=0.7,
                         help="share of the SFT responses to sums >= max_operand that are REFUSAL (1/7 of it below)")
     args = parser.parse_args()
