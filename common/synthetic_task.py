@@ -1,7 +1,8 @@
 """A synthetic task with a checkable answer (adding two numbers), written in every data format the scripts read.
 
-The task is built so that every stage of the pipeline has a large, unmistakable effect on a ~1M-parameter model,
-whatever CPU it trains on (training trajectories differ between CPUs; an effect of a few points does not survive that):
+The task is built so that what every stage of the pipeline is for, removing a habit of refusing, has a large,
+unmistakable effect on a ~1M-parameter model, whatever CPU it trains on (training trajectories differ between CPUs;
+an effect of a few points does not survive that). Held-out accuracy is the exception, for the reason below:
 
   - the demonstrations are noisy, as crowd-sourced ones are: many SFT responses to the larger sums are the unhelpful
     REFUSAL instead of the sum (see demonstration()). SFT copies that habit, so the SFT model answers about half the
