@@ -2,20 +2,24 @@
 
 The task is built so that what every stage of the pipeline is for, removing a habit of refusing, has a large,
 unmistakable effect on a ~1M-parameter model, whatever CPU it trains on (training trajectories differ between CPUs;
-an effect of a few points does not survive that). Held-out accuracy is the exception, for the reason below:
+an effect of a few points does not survive that):
 
   - the demonstrations are noisy, as crowd-sourced ones are: many SFT responses to the larger sums are the unhelpful
     REFUSAL instead of the sum (see demonstration()). SFT copies that habit, so the SFT model answers about half the
     problems it could;
   - every preference, KTO and reward signal prefers the right sum to a clearly worse response: the refusal, a
     malformed answer, a number far off, or (a minority) a near miss. Removing the habit is what each preference stage
-    (reward model, PPO, DPO, KTO, rejection sampling) is expected to do, and that raises the share answered with a
-    number by tens of points (the accuracy by less, see below);
-  - the sums are small (operands below 40). The SFT model learns the arithmetic only in part, and how far is
-    luck: of the smaller held-out sums, the 600-step SFT got 21% right (seed 0), and 900 steps with weight decay
-    0.1 got 74%, 38%, 17% and 11% (seeds 0-3). So removing the habit pays about 10 points of held-out accuracy,
-    and the tests' accuracy thresholds sit below that. Operands below 20 are no cure: seeds 0 and 2 learned the
-    arithmetic (74-84%), seed 1 memorised its 320 training pairs (100% on them, 2% on held-out ones).
+    (reward model, PPO, DPO, KTO, rejection sampling) is expected to do;
+  - the sums are small (operands below 20: 320 training pairs, each seen about 12 times), so that the 600-step SFT
+    of the tests and the demo learns the training pairs' sums: with the refusal banned, it answered 88-100% of 200
+    training problems right (seeds 1, 3 and 4, and seed 2 on AVX2 kernels). Removing the habit then raises the
+    accuracy on the training problems by tens of points.
+
+Whether the SFT model also adds pairs it never saw is luck: of the smaller held-out sums, seeds 0, 2, 3 and 4 got
+42-84% right and seed 1 2% (it memorised the training pairs). With operands below 40 the same SFT got 21% (seed 0)
+and longer ones 11-77%: there are more pairs, each seen less often, and a run leaves the loss plateau where it starts
+to generalise at a step that varies with the seed. So the learning tests measure accuracy on the training
+problems, and the demo shows both.
 
 Train and eval problems never share an operand pair.
 
@@ -109,7 +113,7 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, max_operand: int = 40,
+def write_task(out: str, seed: int = 0, n_train: int = 4000, n_eval: int = 200, max_operand: int = 20,
                refusal_rate: float = 0.7) -> dict:
     """Write the task's files into `out` and return {name: path}.
 
@@ -158,7 +162,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seed of the problem sampler")
     parser.add_argument("--n_train", type=int, default=4000, help="training problems")
     parser.add_argument("--n_eval", type=int, default=200, help="held-out problems")
-    parser.add_argument("--max_operand", type=int, default=40, help="operands are drawn from [0, max_operand)")
+    parser.add_argument("--max_operand", type=int, default=20, help="operands are drawn from [0, max_operand)")
     parser.add_argument("--refusal_rate", type=float, default=0.7,
                         help="share of the SFT responses to sums >= max_operand that are REFUSAL (1/7 of it below)")
     args = parser.parse_args()

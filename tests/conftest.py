@@ -105,6 +105,17 @@ def sft_model(tiny_model, task, tmp_path_factory) -> str:
     return out
 
 
+def training_problem_scores(model_dir: str, task: dict) -> dict:
+    """Greedy accuracy and share answered on the first 200 training problems (common.task_eval.task_scores).
+
+    The learning tests measure each stage here, on operand pairs the SFT model learned, and not on held-out ones:
+    whether a ~1M model generalises addition after 600 SFT steps is luck of the seed (2-84% of the smaller held-out
+    sums), and that luck, not the stage, would decide how much removing the refusals can pay."""
+    from common.task_eval import task_scores
+
+    return task_scores(model_dir, task["prompts_train"], limit=200)
+
+
 def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 1200, check: bool = True,
                background: bool = False):
     """Run a top-level script as a user would: `python script.py` (1 rank) or `deepspeed --num_gpus N script.py`."""

@@ -5,10 +5,10 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, SEED, expect, mean, metrics, run_script
+from conftest import ROOT, SEED, expect, mean, metrics, run_script, training_problem_scores
 from transformers import AutoModelForCausalLM
 
-from common.task_eval import greedy_responses, task_scores
+from common.task_eval import greedy_responses
 
 REWARD_FN = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
 
@@ -33,10 +33,10 @@ def learn(sft_model, task, out, estimator, *extra):
 
 
 def expect_learned(name, sft_model, task, out, scores):
-    """The rollouts' reward rises and the saved policy stops refusing and answers more held-out problems right."""
+    """The rollouts' reward rises and the saved policy stops refusing and answers more training problems right."""
     # Step 1's rollouts come from the SFT model itself; the reward rises over a few steps, then levels off.
     expect(f"{name}: rollout reward, last 4 steps - step 1", mean(scores[-4:]) - scores[0], ">=", 0.05)
-    before, after = (task_scores(m, task["prompts_eval"]) for m in (sft_model, out))
+    before, after = (training_problem_scores(m, task) for m in (sft_model, out))
     expect(f"{name}: share answered", after["answered"], ">=", 0.75)
     expect(f"{name}: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.08)
 

@@ -10,13 +10,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SEED, expect, metrics, run_script
+from conftest import SEED, expect, metrics, run_script, training_problem_scores
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common import data
 from common.net import free_port
 from common.synthetic_task import REFUSAL
-from common.task_eval import task_scores
 from common.tiny_model import build_model, build_tokenizer
 from dpo import dpo_loss
 from kto import kl_reference_point, kto_loss
@@ -160,7 +159,7 @@ LORA_ARGS = ["--lora_rank", "16", "--lora_alpha", "32"]  # and a learning rate a
 
 @pytest.fixture(scope="module")
 def sft_scores(sft_model, task) -> dict:
-    return task_scores(sft_model, task["prompts_eval"])
+    return training_problem_scores(sft_model, task)
 
 
 @pytest.mark.slow
@@ -255,7 +254,7 @@ def expect_dpo_learned(name: str, out: str, sft_scores: dict, task: dict) -> Non
     assert log[0]["rewards/accuracies"] == 0.0  # the policy starts as the reference: every implicit reward is 0
     assert 0 < log[-2]["perf/ref_forward_share"] < 1
     expect(f"{name}: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.7)  # chance 0.5
-    after = task_scores(out, task["prompts_eval"])
+    after = training_problem_scores(out, task)
     expect(f"{name}: share answered", after["answered"], ">=", 0.75)
     expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.1)
 
@@ -298,6 +297,6 @@ def expect_kto_learned(name: str, out: str, sft_scores: dict, task: dict) -> Non
     assert log[0]["rewards/accuracies"] == 0.0  # the policy starts as the reference: every implicit reward is 0
     assert min(m["objective/kl"] for m in log if "objective/kl" in m) >= 0  # the reference point is clamped at 0
     expect(f"{name}: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.62)  # chance 0.5
-    after = task_scores(out, task["prompts_eval"])
+    after = training_problem_scores(out, task)
     expect(f"{name}: share answered", after["answered"], ">=", 0.75)
     expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.08)

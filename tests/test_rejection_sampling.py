@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SEED, expect, kill_group, metrics, run_script
+from conftest import ROOT, SEED, expect, kill_group, metrics, run_script, training_problem_scores
 from test_rewards import write_reward_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -26,7 +26,7 @@ from common.data import load_records, render_prompt
 from common.modeling import token_logprobs
 from common.rewards import load_reward_model, reward_model_scores
 from common.synthetic_task import REFUSAL, extract_answer, reward_fn
-from common.task_eval import greedy_responses, task_scores
+from common.task_eval import greedy_responses
 from common.tiny_model import build_tokenizer
 from rejection_sampling import Args, conditioned_prompt, load_state, main, select, train_command
 
@@ -194,8 +194,8 @@ def test_one_iteration_of_best_of_n_and_sft_beats_the_starting_model(best_of_n_r
     assert len(log) == 1 and log[0]["rewards/best_mean"] > log[0]["rewards/mean"]
     assert log[0]["perf/generate_samples_per_sec"] > 0 and log[0]["time/train_share"] > 0
     assert json.load(open(os.path.join(out, "state.json")))["finished_iterations"] == 1
-    before, after = (task_scores(m, task["prompts_eval"]) for m in (sft_model, os.path.join(out, "iter_0", "model")))
-    print(f"greedy accuracy on held-out prompts: SFT model {before}, after best-of-8 + SFT {after}")
+    before, after = (training_problem_scores(m, task) for m in (sft_model, os.path.join(out, "iter_0", "model")))
+    print(f"greedy accuracy on training problems: SFT model {before}, after best-of-8 + SFT {after}")
     expect("best-of-n: share answered", after["answered"], ">=", 0.75)
     expect("best-of-n: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.1)
 
