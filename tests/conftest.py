@@ -110,7 +110,9 @@ def training_problem_scores(model_dir: str, task: dict) -> dict:
 
     The learning tests measure each stage here, on operand pairs the SFT model learned, and not on held-out ones:
     whether a ~1M model generalises addition after 600 SFT steps is luck of the seed (2-84% of the smaller held-out
-    sums), and that luck, not the stage, would decide how much removing the refusals can pay."""
+    sums), and that luck, not the stage, would decide how much removing the refusals can pay. Here the SFT model
+    answers about half the problems, nearly all of them right, and every stage's accuracy gain over it was 0.33-0.53
+    (seed 0; seed 1 on one thread; seed 2 on AVX2 kernels); the tests ask for 0.2."""
     from common.task_eval import task_scores
 
     return task_scores(model_dir, task["prompts_train"], limit=200)

@@ -38,7 +38,7 @@ def expect_learned(name, sft_model, task, out, scores):
     expect(f"{name}: rollout reward, last 4 steps - step 1", mean(scores[-4:]) - scores[0], ">=", 0.05)
     before, after = (training_problem_scores(m, task) for m in (sft_model, out))
     expect(f"{name}: share answered", after["answered"], ">=", 0.75)
-    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.08)
+    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.2)
 
 
 @pytest.mark.slow

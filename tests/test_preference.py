@@ -256,7 +256,7 @@ def expect_dpo_learned(name: str, out: str, sft_scores: dict, task: dict) -> Non
     expect(f"{name}: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.7)  # chance 0.5
     after = training_problem_scores(out, task)
     expect(f"{name}: share answered", after["answered"], ">=", 0.75)
-    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.1)
+    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.2)
 
 
 @pytest.mark.slow
@@ -299,4 +299,4 @@ def expect_kto_learned(name: str, out: str, sft_scores: dict, task: dict) -> Non
     expect(f"{name}: eval implicit-reward accuracy", log[-1]["eval/rewards/accuracies"], ">=", 0.62)  # chance 0.5
     after = training_problem_scores(out, task)
     expect(f"{name}: share answered", after["answered"], ">=", 0.75)
-    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.08)
+    expect(f"{name}: accuracy gain over SFT", after["accuracy"] - sft_scores["accuracy"], ">=", 0.2)

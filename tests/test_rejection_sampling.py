@@ -197,7 +197,7 @@ def test_one_iteration_of_best_of_n_and_sft_beats_the_starting_model(best_of_n_r
     before, after = (training_problem_scores(m, task) for m in (sft_model, os.path.join(out, "iter_0", "model")))
     print(f"greedy accuracy on training problems: SFT model {before}, after best-of-8 + SFT {after}")
     expect("best-of-n: share answered", after["answered"], ">=", 0.75)
-    expect("best-of-n: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.1)
+    expect("best-of-n: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.2)
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def test_two_rank_zero3_sft_learns_and_saves_a_model_transformers_and_vllm_agree
 
     base, trained = (training_problem_scores(m, task) for m in (tiny_model, out))
     assert base["accuracy"] == 0.0
-    expect("sft: accuracy on training problems", trained["accuracy"], ">=", 0.3)  # chance is ~3%
+    expect("sft: accuracy on training problems", trained["accuracy"], ">=", 0.25)  # chance is ~3%
     expect("sft: share answered (at least)", trained["answered"], ">=", 0.25)
     expect("sft: share answered (at most)", trained["answered"], "<=", 0.75)
 
@@ -67,7 +67,7 @@ def test_two_rank_zero3_sft_with_lora_learns_and_saves_the_merged_model_and_its_
                           "--output_dir", out], nprocs=2)
     before, after = (training_problem_scores(m, task) for m in (sft_model, out))
     expect("sft lora: share answered", after["answered"], ">=", 0.9)
-    expect("sft lora: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.15)
+    expect("sft lora: accuracy gain over SFT", after["accuracy"] - before["accuracy"], ">=", 0.2)
 
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
     start = AutoModelForCausalLM.from_pretrained(sft_model).eval()
