@@ -10,10 +10,12 @@ Each stage runs its own script exactly as a user would type it (the commands are
     rejection sampling python rejection_sampling.py       (best-of-8 with vLLM, then sft.py on the best)
 
 The task (common/synthetic_task.py) is two-number addition whose demonstrations refuse many of the larger sums:
-SFT copies the habit, and every later stage is there to remove it. The demo scores every model on held-out problems
-and writes, in the output folder, summary.md (the table printed at the end) and ppo_curves.png (the rollouts'
-reward with its moving average, and the KL). Logs and checkpoints of every stage are in the same folder. With
---update_docs it also writes its table into README.md and docs/, between the `<!-- demo-results -->` markers.
+SFT copies the habit, and every later stage is there to remove it. The demo scores every model on 200 of the
+training problems (whose sums the SFT model learned) and on 200 held-out ones (whether a model this small learns to
+add pairs it never saw is luck of the seed), and writes, in the output folder, summary.md (the table printed at the
+end) and ppo_curves.png (the rollouts' reward with its moving average, and the KL). Logs and checkpoints of every
+stage are in the same folder. With --update_docs it also writes its table into README.md and docs/, between the
+`<!-- demo-results -->` markers.
 Every stage is seeded: the same machine prints the same table twice.
 
     python launch/demo.py --out out/demo
@@ -56,7 +58,7 @@ def run(stage: str, cmd: list[str], log_dir: str, times: dict) -> None:
     print(f"[{stage}] done in {times[stage]:.0f} s (log: {os.path.relpath(log)})", flush=True)
 
 
-def evaluate(model_dir: str, rm_dir: str, prompts_file: str) -> dict:
+def evaluate(model_dir: str, rm_dir: str, prompts_file: str, limit: int = 200) -> dict:
     """Greedy task accuracy, the share of answers with a number in them, and the reward model's mean (normalised)
     score of the greedy answers."""
     import torch
@@ -68,7 +70,7 @@ def evaluate(model_dir: str, rm_dir: str, prompts_file: str) -> dict:
     from common.task_eval import greedy_responses
 
     transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per model is noise here
-    rows = load_records(prompts_file)
+    rows = load_records(prompts_file)[:limit]
     prompts, labels = [r["prompt"] for r in rows], [r["label"] for r in rows]
     responses = greedy_responses(model_dir, prompts)
     rm, rm_tokenizer = load_reward_model(rm_dir)
@@ -181,20 +183,23 @@ def main():
                "--iterations", "1", "--train_args", "--max_steps 60 --micro_train_batch_size 16 --learning_rate 2e-4 "
                "--max_len 64", "--output_dir", d["rs"]], logs, times)
 
-    print("\n[eval] scoring every model on held-out problems", flush=True)
+    print("\n[eval] scoring every model on training and held-out problems", flush=True)
     models = [("base", d["base"]), ("SFT", d["sft"]), ("PPO (from SFT)", d["ppo"]), ("DPO (from SFT)", d["dpo"]),
               ("KTO (from SFT)", d["kto"]), ("best-of-8 + SFT (from SFT)", os.path.join(d["rs"], "iter_0", "model"))]
-    rows = [(name, evaluate(model, d["rm"], task("prompts_eval"))) for name, model in models]
+    rows = [(name, evaluate(model, d["rm"], task("prompts_train")), evaluate(model, d["rm"], task("prompts_eval")))
+            for name, model in models]
     plot_ppo(os.path.join(d["ppo"], "metrics.jsonl"), os.path.join(out, "ppo_curves.png"))
     ppo_scores = [json.loads(line)["objective/scores"] for line in open(os.path.join(d["ppo"], "metrics.jsonl"))
                   if "objective/scores" in line]
 
-    n_eval = len(open(task("prompts_eval")).readlines())
-    table = ["| model | task accuracy | answered with a number | mean reward-model score |", "|---|---|---|---|"]
-    table += [f"| {name} | {m['accuracy']:.1%} | {m['answered']:.1%} | {m['reward']:+.3f} |" for name, m in rows]
+    table = ["| model | accuracy: training problems | answered with a number | mean reward-model score | "
+             "accuracy: held-out problems |", "|---|---|---|---|---|"]
+    table += [f"| {name} | {m['accuracy']:.1%} | {m['answered']:.1%} | {m['reward']:+.3f} | {h['accuracy']:.1%} |"
+              for name, m, h in rows]
     results = "\n".join([
         *table, "",
-        f"Held-out problems: {n_eval}, answered greedily. Reward model: {last_metric(d['rm'], 'eval/accuracy'):.1%} "
+        "Greedy answers to 200 training problems and, in the last column, to 200 held-out problems, whose operand "
+        f"pairs no stage trained on. Reward model: {last_metric(d['rm'], 'eval/accuracy'):.1%} "
         f"of held-out pairs ranked right (chance 50%). PPO rollouts' mean reward: {sum(ppo_scores[:4]) / 4:.3f} "
         f"over the first 4 steps, {sum(ppo_scores[-4:]) / 4:.3f} over the last 4. Implicit reward: "
         f"{last_metric(d['dpo'], 'eval/rewards/accuracies'):.1%} of held-out pairs ranked right (DPO), "
