@@ -79,7 +79,7 @@ from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle
 from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
                              sequence_rewards, token_logprobs, token_values, unpack, unpack_next_token)
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
-                                start_generate, wait_for)
+                                start_generate, wait_for, wait_for_engines)
 from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
@@ -940,28 +940,36 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
         dtype="auto" if use_gpus() else "float32", enforce_eager=not use_gpus(),
-        logprobs_mode="processed_logprobs")
+        logprobs_mode="processed_logprobs", wait_until_ready=False)
     engine_sleep = SleepSchedule(engines, enabled=args.colocate_all)  # a recorded no-op where vLLM cannot sleep
-    engine_sleep.start()  # before the models load into the memory the engines give back
+    if args.colocate_all:  # asleep before the models load into the memory the engines give back
+        wait_for_engines(engines)
+        engine_sleep.start()
+    # Every role then loads its model while the engines start: each start is mostly imports and reading weights.
+    start = functools.partial(WorkerGroup, cpus_per_bundle=cpus, wait_until_ready=False)
     actor_pg = shared or make_placement_group(args.actor_num_workers, cpus, "actor")
-    roles = {"actor": WorkerGroup(ActorWorker, actor_pg, shares["actor"], cpus,
-                                  (args, args.pretrain, total_actor_steps), role="actor"), "engines": engines}
+    roles = {"actor": start(ActorWorker, actor_pg, shares["actor"], args=(args, args.pretrain, total_actor_steps),
+                            role="actor"), "engines": engines}
     if uses_reference(args) and not args.lora_rank:  # with LoRA the actor's frozen base model is the reference
         ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
             args.ref_num_workers, cpus, "reference")
-        roles["ref"] = WorkerGroup(ReferenceWorker, ref_pg, shares["reference"], cpus, (args, args.pretrain),
-                                   role="reference")
+        roles["ref"] = start(ReferenceWorker, ref_pg, shares["reference"], args=(args, args.pretrain),
+                             role="reference")
     critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
     if use_critic:
-        roles["critic"] = WorkerGroup(CriticWorker, critic_pg, shares["critic"], cpus,
-                                      (args, critic_path, total_actor_steps), role="critic")
+        roles["critic"] = start(CriticWorker, critic_pg, shares["critic"], args=(args, critic_path, total_actor_steps),
+                                role="critic")
     roles["rewards"] = []
     for i, path in enumerate(reward_paths):
         pg = critic_pg if (args.colocate_critic_reward and critic_pg) else (
             shared or make_placement_group(args.reward_num_workers, cpus, "reward"))
-        roles["rewards"].append(WorkerGroup(RewardModelWorker, pg, shares["reward model"], cpus, (args, path),
-                                            role=f"reward model {i + 1}"))
-    engine_sleep.trainers = [roles[name] for name in ("actor", "ref", "critic") if name in roles] + roles["rewards"]
+        roles["rewards"].append(start(RewardModelWorker, pg, shares["reward model"], args=(args, path),
+                                      role=f"reward model {i + 1}"))
+    wait_for_engines(engines)
+    groups = [roles[name] for name in ("actor", "ref", "critic") if name in roles] + roles["rewards"]
+    for group in groups:
+        group.ready()
+    engine_sleep.trainers = groups
     roles["engine_sleep"] = engine_sleep
     return roles
 

@@ -63,7 +63,7 @@ class RayWorker:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def join_world(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def join_world(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
         """Set the variables torch.distributed and DeepSpeed read; the worker's setup then calls init_distributed().
 
         LOCAL_RANK is the index of this worker's GPU among the devices it can see, not its position among the
@@ -72,8 +72,7 @@ class RayWorker:
         "invalid device ordinal".
         """
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(visible_device_index()),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
 
     def set_cpu_threads(self, busy: dict[str, int]) -> None:
         """Share this node's cores with the `busy[phase]` workers (this one included) computing there in each phase."""
@@ -177,29 +176,42 @@ def unwrapped(error: "ray.exceptions.RayTaskError") -> Exception:
 
 
 class WorkerGroup:
-    """`num_workers` actors of `cls`, one per bundle of `pg`, joined into one torch.distributed world."""
+    """`num_workers` actors of `cls`, one per bundle of `pg`, joined into one torch.distributed world.
+
+    The constructor waits until every worker has set up. With `wait_until_ready` False it returns at once, every
+    start-up call queued (each actor runs its calls in the order they were made), so that several roles load their
+    models at the same time; ready() then waits for them.
+    """
 
     def __init__(self, cls, pg, share: float, cpus_per_bundle: float, args: tuple = (), env: dict | None = None,
-                 role: str | None = None):
+                 role: str | None = None, wait_until_ready: bool = True):
         role = self.role = role or cls.__name__
         num_workers = len(pg.bundle_specs)
-        resources = {"num_gpus": share, "num_cpus": share} if use_gpus() else {"num_cpus": share * cpus_per_bundle}
+        self.resources = {"num_gpus": share, "num_cpus": share} if use_gpus() else {"num_cpus": share * cpus_per_bundle}
         self.actors = [
             ray.remote(cls).options(
-                **resources,
+                **self.resources,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 runtime_env={"env_vars": env or {}},
             ).remote()
             for i in range(num_workers)
         ]
-        placing = f"Ray could not start the {role} workers ({num_workers} x {resources} on their bundles)"
-        master_addr, master_port = wait(self.actors[0].address.remote(), PLACE_TIMEOUT_S, placing)
-        self.nodes = wait([a.node_id.remote() for a in self.actors], PLACE_TIMEOUT_S, placing)
-        wait([a.join_world.remote(i, num_workers, master_addr, master_port) for i, a in enumerate(self.actors)],
-             PLACE_TIMEOUT_S, placing)
-        wait([a.setup.remote(*args) for a in self.actors], SETUP_TIMEOUT_S,
-             f"the {role} workers did not finish loading their model",
+        address = self.actors[0].address.remote()  # Ray hands its result to join_world once rank 0 has started
+        self.starting = {"placed": [a.node_id.remote() for a in self.actors],
+                         "joined": [a.join_world.remote(i, num_workers, address) for i, a in enumerate(self.actors)],
+                         "set up": [a.setup.remote(*args) for a in self.actors]}
+        if wait_until_ready:
+            self.ready()
+
+    def ready(self) -> "WorkerGroup":
+        """Wait until every worker has been placed, joined its world and set up; one sentence if one cannot."""
+        placing = (f"Ray could not start the {self.role} workers ({len(self.actors)} x {self.resources} on their "
+                   "bundles)")
+        self.nodes = wait(self.starting["placed"], PLACE_TIMEOUT_S, placing)
+        wait(self.starting["joined"], PLACE_TIMEOUT_S, placing)
+        wait(self.starting["set up"], SETUP_TIMEOUT_S, f"the {self.role} workers did not finish loading their model",
              "check that every node reads the model folder fast enough, or raise common.ray_workers.SETUP_TIMEOUT_S")
+        return self
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call `method` on every rank with the same arguments; returns the object refs (rank order)."""

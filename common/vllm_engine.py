@@ -247,8 +247,11 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
                         max_model_len: int, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                         placement_group=None, dtype: str = "auto", enable_sleep_mode: bool = False,
                         num_cpus_per_engine: int = 1, cpu_threads_per_engine: int | None = None,
-                        **llm_kwargs) -> list:
+                        wait_until_ready: bool = True, **llm_kwargs) -> list:
     """Start `num_engines` engines (engine i seeded with seed + i) and return their Ray actor handles, all ready.
+
+    With `wait_until_ready` False it returns once their bundles are reserved, while the engines still start, so
+    that the caller can start other workers meanwhile; wait_for_engines(engines) then waits for them.
 
     GPU when the Ray cluster has GPUs, CPU otherwise. `placement_group`, if given, must hold
     num_engines * tensor_parallel_size GPU bundles; it is taken to be shared with the trainer, so each vLLM worker
@@ -307,10 +310,17 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
         engines.append(actor.remote(
             pretrain_path, seed + i, max_model_len, tensor_parallel_size, gpu_memory_utilization, enforce_eager,
             dtype, enable_sleep_mode, use_gpu, tp_bundles if tensor_parallel_size > 1 else None, llm_kwargs))
-    wait([engine.ready.remote() for engine in engines], ENGINE_START_TIMEOUT_S,
-         f"the vLLM engines ({what}) did not start", "check that Ray has room for them and that the model loads "
-         "(the engine's log in /tmp/ray/session_latest/logs says which), or raise ENGINE_START_TIMEOUT_S")
+    if wait_until_ready:
+        wait_for_engines(engines)
     return engines
+
+
+def wait_for_engines(engines: list) -> None:
+    """Wait until the engines create_vllm_engines started have loaded their model; one sentence if they do not."""
+    wait([engine.ready.remote() for engine in engines], ENGINE_START_TIMEOUT_S,
+         f"the vLLM engines ({len(engines)} vLLM engine(s)) did not start", "check that Ray has room for them and "
+         "that the model loads (the engine's log in /tmp/ray/session_latest/logs says which), or raise "
+         "ENGINE_START_TIMEOUT_S")
 
 
 # ------------------------------------------------------------------------------------- using engines from a driver

@@ -44,10 +44,10 @@ class ProbeWorker(RayWorker):
         return sync_transports(engines)
 
 
-def probe_group(cls, pg, share, cpus_per_bundle, args=(), env=None, role=None):
+def probe_group(cls, pg, share, cpus_per_bundle, args=(), env=None, role=None, wait_until_ready=True):
     """WorkerGroup as ppo_ray.place_roles builds it, with the model-loading class and arguments swapped out (they
     would import ppo_ray, torch and transformers in every probe process)."""
-    group = WorkerGroup(ProbeWorker, pg, share, cpus_per_bundle, (role, share), env, role)
+    group = WorkerGroup(ProbeWorker, pg, share, cpus_per_bundle, (role, share), env, role, wait_until_ready)
     group.bundles = list(range(len(pg.bundle_specs)))  # worker i sits on bundle i
     return group
 
