@@ -941,9 +941,10 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
         dtype="auto" if use_gpus() else "float32", enforce_eager=not use_gpus(),
         logprobs_mode="processed_logprobs", wait_until_ready=False)
+    warm_up = [engine.warm_up.remote() for engine in engines]  # each runs once its engine has started
     engine_sleep = SleepSchedule(engines, enabled=args.colocate_all)  # a recorded no-op where vLLM cannot sleep
     if args.colocate_all:  # asleep before the models load into the memory the engines give back
-        wait_for_engines(engines)
+        wait_for_engines(engines, warm_up)
         engine_sleep.start()
     # Every role then loads its model while the engines start: each start is mostly imports and reading weights.
     start = functools.partial(WorkerGroup, cpus_per_bundle=cpus, wait_until_ready=False)
@@ -965,7 +966,7 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
             shared or make_placement_group(args.reward_num_workers, cpus, "reward"))
         roles["rewards"].append(start(RewardModelWorker, pg, shares["reward model"], args=(args, path),
                                       role=f"reward model {i + 1}"))
-    wait_for_engines(engines)
+    wait_for_engines(engines, warm_up)
     groups = [roles[name] for name in ("actor", "ref", "critic") if name in roles] + roles["rewards"]
     for group in groups:
         group.ready()

@@ -79,6 +79,12 @@ class VLLMEngine:
         """True once the engine has loaded its model; `ray.get` on it re-raises any error from start-up."""
         return True
 
+    def warm_up(self) -> None:
+        """Sample one token greedily with its log-probability. vLLM compiles (torch.compile) the kernel that ranks
+        sampled tokens at its first use, which took 3.6 s on CPU: a caller that starts other work meanwhile pays it
+        now, and not in its first rollout. Greedy, so that it draws nothing from the engine's random stream."""
+        self.generate([[0]], temperature=0.0, max_tokens=1, logprobs=True)
+
     def node_id(self) -> str:
         """The Ray node this engine runs on (for placement reports)."""
         return ray.get_runtime_context().get_node_id()
@@ -315,9 +321,10 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     return engines
 
 
-def wait_for_engines(engines: list) -> None:
-    """Wait until the engines create_vllm_engines started have loaded their model; one sentence if they do not."""
-    wait([engine.ready.remote() for engine in engines], ENGINE_START_TIMEOUT_S,
+def wait_for_engines(engines: list, pending: list | None = None) -> None:
+    """Wait until the engines create_vllm_engines started have loaded their model, and for `pending`, refs of calls
+    made on them since (e.g. warm_up); one sentence if they do not."""
+    wait([engine.ready.remote() for engine in engines] + (pending or []), ENGINE_START_TIMEOUT_S,
          f"the vLLM engines ({len(engines)} vLLM engine(s)) did not start", "check that Ray has room for them and "
          "that the model loads (the engine's log in /tmp/ray/session_latest/logs says which), or raise "
          "ENGINE_START_TIMEOUT_S")

@@ -84,6 +84,9 @@ class ProbeEngine:
     def ready(self) -> bool:
         return True
 
+    def warm_up(self) -> None:
+        pass
+
     def sleep(self, level: int = 1) -> None:
         assert self.enable_sleep_mode or not self.use_gpu, "sleep() on a GPU engine created without sleep mode"
         self.slept_at.append(time.time())
