@@ -196,7 +196,7 @@ def main(args: Args):
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
-    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing, dropout=True,
                        **lora.load_kwargs(args))
     model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
