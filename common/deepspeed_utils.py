@@ -288,6 +288,10 @@ def init_train_engine(model, config: dict, lr: float, weight_decay: float, total
         # 0.62 -> 0.59 s). The flag is the one DeepSpeed clears itself when it has no process group to reduce over;
         # under bf16 its BF16_Optimizer gathers the fp32 gradients in backward_epilogue, which runs either way.
         engine.enable_backward_allreduce = False
+    # from_pretrained hands the model over in eval mode, and only an evaluation's engine.train() switched it: until
+    # then SFT trained without its dropout and --gradient_checkpointing checkpointed nothing (transformers
+    # checkpoints only in train mode), and a resumed run trained otherwise than an uninterrupted one.
+    engine.train()
     return engine
 
 

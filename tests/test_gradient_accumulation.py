@@ -87,6 +87,7 @@ def _zero0_steps(rank: int, world_size: int, port: int, path: str, out: str):
     config = ds_config(0, 8 * world_size, 4, world_size)
     engine = init_train_engine(AutoModelForCausalLM.from_pretrained(path), config, lr=1e-3, weight_decay=0.1,
                                total_steps=2, warmup_ratio=0.0, min_lr_ratio=0.1)
+    training = engine.module.training  # from_pretrained hands the model over in eval mode
     for micro_batches in steps:
         for ids in micro_batches[2 * rank: 2 * rank + 2]:
             engine.backward(-next_token_logprobs(engine, ids).mean())
@@ -102,7 +103,8 @@ def _zero0_steps(rank: int, world_size: int, port: int, path: str, out: str):
             optimizer.step()
             schedule.step()
             optimizer.zero_grad()
-        torch.save({"reduces": engine.enable_backward_allreduce, "engine": engine.module.state_dict(),
+        torch.save({"reduces": engine.enable_backward_allreduce, "training": training,
+                    "engine": engine.module.state_dict(),
                     "plain": plain.state_dict()}, out)
     exit_if_distributed(0)  # as the scripts end a rank: the interpreter's own exit aborts now and then
 
@@ -111,10 +113,14 @@ def _zero0_steps(rank: int, world_size: int, port: int, path: str, out: str):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_zero0_update_averages_over_the_ranks_and_skips_the_reduction_on_one(tiny_model, tmp_path, world_size):
     """init_train_engine turns DeepSpeed's gradient all-reduce off on one ZeRO-0 rank, where it only copies; on two
-    ranks it must stay on, or each rank would step on its own gradients and the replicas drift apart."""
+    ranks it must stay on, or each rank would step on its own gradients and the replicas drift apart.
+
+    The engine starts in train mode: in the eval mode from_pretrained leaves a model in, SFT trained without its
+    dropout and --gradient_checkpointing did nothing until the first evaluation switched the model over."""
     out = str(tmp_path / "states.pt")
     mp.spawn(_zero0_steps, args=(world_size, free_port(), tiny_model, out), nprocs=world_size, join=True)
     saved = torch.load(out)
+    assert saved["training"]
     assert saved["reduces"] == (world_size > 1)
     start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert max((saved["plain"][k] - start[k]).abs().max().item() for k in start) > 1e-3  # the steps moved it
