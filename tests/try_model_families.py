@@ -43,7 +43,8 @@ FAMILIES = {
     "qwen3": {**LAYERS, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True},
     "olmo2": {**LAYERS, "num_key_value_heads": 2},
 }
-VARIANTS = {"full": [], "lora": ["--lora_rank", "8", "--lora_alpha", "16", "--actor_learning_rate", "1e-2"]}  # later flags win
+# LoRA's learning rate is 10x, so that the adapters, which start at 0, move the policy as much (later flags win).
+VARIANTS = {"full": [], "lora": ["--lora_rank", "8", "--lora_alpha", "16", "--actor_learning_rate", "1e-2"]}
 REWARD = '''def reward_fn(prompts, responses, labels):
     """The response's length mod 5: it varies between a random model's samples, so GRPO's advantages do too."""
     return [float(len(r) % 5) for r in responses]
