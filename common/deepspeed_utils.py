@@ -208,15 +208,16 @@ def disable_dropout(model) -> None:
     from the first step: on a GPT-2 or OPT model (dropout 0.1 in their configs) vLLM's and the update's log-probs of
     the same tokens differed by 0.06 on average, where Llama-like models, whose dropout is 0, agree to 1e-7. Models
     keep dropout in nn.Dropout modules (GPT-2's resid_pdrop) or as a float attribute they hand to the attention
-    kernel or a functional dropout (Llama's attention_dropout, OPT's dropout); both are set to 0. The config is left
-    as it is, so that a saved model keeps the dropout its user gave it for later fine-tuning. LoRA adapters, added
-    after, keep --lora_dropout.
+    kernel or a functional dropout (Llama's attention_dropout, OPT's dropout); both are set to 0, and so is
+    LayerDrop (OPT's layerdrop skips whole layers at random in train mode). The config is left as it is, so that a
+    saved model keeps the dropout its user gave it for later fine-tuning. LoRA adapters, added after, keep
+    --lora_dropout.
     """
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
         for name, value in vars(module).items():
-            if type(value) is float and ("dropout" in name.lower() or name.endswith("pdrop")):
+            if type(value) is float and ("dropout" in name.lower() or name.endswith(("pdrop", "layerdrop"))):
                 setattr(module, name, 0.0)
 
 

@@ -4,7 +4,7 @@ whichever form its family keeps it; SFT keeps what the config asks for, and a sa
 With dropout on, PPO's update and vLLM disagreed on the log-probs of the very tokens vLLM had sampled (0.06 on
 average on GPT-2 and OPT models, against 1e-7 on Llama-like ones), and every ratio, KL and implicit reward was noise.
 The fixtures below set each family's dropout fields to 0.1: GPT-2 holds nn.Dropout modules, Llama and OPT hand a float
-to the attention kernel or a functional dropout, GPT-NeoX and Phi-3 do both.
+to the attention kernel or a functional dropout, GPT-NeoX and Phi-3 do both; OPT's LayerDrop skips whole layers.
 """
 
 import pytest
@@ -18,7 +18,7 @@ FAMILIES = {
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
              "attn_pdrop": 0.1},
     "opt": {**SIZES, "ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": 0.1, "attention_dropout": 0.1,
-            "activation_dropout": 0.1},
+            "activation_dropout": 0.1, "layerdrop": 0.5},  # LayerDrop skips whole layers at random
     "gpt_neox": {**SIZES, "intermediate_size": 128, "attention_dropout": 0.1, "hidden_dropout": 0.1},
     "llama": {**SIZES, "intermediate_size": 128, "num_key_value_heads": 1, "attention_dropout": 0.1},
     "phi3": {**SIZES, "intermediate_size": 128, "num_key_value_heads": 1, "resid_pdrop": 0.1, "embd_pdrop": 0.1,
