@@ -9,7 +9,7 @@ a random model's samples, so that every step moves the weights. Each step logs `
 |vLLM's log-prob - the trainer's| of the sampled tokens after the previous step's weight sync: a wrong sync, a
 dropout left on or a position mix-up shows as 1e-2 and more, an exact one as ~1e-7.
 
-Not a test (CI does not run it: ~15 minutes on 2 cores); run it after touching the weight sync, LoRA merging or
+Not a test (CI does not run it: 9 minutes on 2 cores); run it after touching the weight sync, LoRA merging or
 model loading.
 
     .venv/bin/python tests/try_model_families.py --out /tmp/families                 # every family, full and LoRA
