@@ -203,7 +203,7 @@ class WorkerGroup:
         if wait_until_ready:
             self.ready()
 
-    def ready(self) -> "WorkerGroup":
+    def ready(self) -> None:
         """Wait until every worker has been placed, joined its world and set up; one sentence if one cannot."""
         placing = (f"Ray could not start the {self.role} workers ({len(self.actors)} x {self.resources} on their "
                    "bundles)")
@@ -211,7 +211,6 @@ class WorkerGroup:
         wait(self.starting["joined"], PLACE_TIMEOUT_S, placing)
         wait(self.starting["set up"], SETUP_TIMEOUT_S, f"the {self.role} workers did not finish loading their model",
              "check that every node reads the model folder fast enough, or raise common.ray_workers.SETUP_TIMEOUT_S")
-        return self
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call `method` on every rank with the same arguments; returns the object refs (rank order)."""
