@@ -79,7 +79,7 @@ from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle
 from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
                              sequence_rewards, token_logprobs, token_values, unpack, unpack_next_token)
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
-                                start_generate, wait_for, wait_for_engines)
+                                shutdown_engines, start_generate, wait_for, wait_for_engines)
 from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
@@ -1348,6 +1348,7 @@ def main(args: Args):
     roles["actor"].get(roles["actor"].call("save_model", args.output_dir))
     print(f"saved the actor to {args.output_dir} after {args.max_steps} PPO steps"
           + "".join(f", {k} {float(v):.4f}" for k, v in final.items()))
+    shutdown_engines(roles["engines"])
     ray.shutdown()
 
 

@@ -68,7 +68,7 @@ from common.args import (UserError, check_causal_lm, check_lengths, check_model_
 from common.checkpoint import SaveFailed, describe, write_atomically
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import MetricsLogger, progress
-from common.vllm_engine import create_vllm_engines
+from common.vllm_engine import create_vllm_engines, shutdown_engines
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -282,6 +282,7 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
             bar.update(len(results[c]) * args.n_samples_per_prompt)
         bar.close()
         sampling_seconds = time.time() - start
+        shutdown_engines(engines)
     finally:
         ray.shutdown()
         stop_on_sigterm()  # Ray's core worker leaves SIGTERM at its default (death, no word) when it shuts down

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from common.args import parse_args
 from common.net import free_port
 from common.tiny_model import write_tiny_model
-from common.vllm_engine import create_vllm_engines
+from common.vllm_engine import create_vllm_engines, shutdown_engines
 from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, new_process_group
 
 # name -> write_tiny_model keyword arguments (head_dim stays >= 32 for vLLM's CPU attention)
@@ -110,6 +110,7 @@ def bench_one(name: str, args: Args, workdir: str) -> dict:
             ray.get(ref)
 
         raw_s = median_seconds(raw, args.repeats)
+        shutdown_engines(engines)
     finally:
         ray.shutdown()
     return {"model": name, "params_m": flat.numel() / 1e6, "mib": stats["weight_sync/bytes"] / 2**20,

@@ -185,6 +185,12 @@ class VLLMEngine:
         """Every sleep and wake_up call this engine received, in order: ("sleep", level) or ("wake_up", tags)."""
         return list(self.memory_log)
 
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core, and with it the process group vLLM made at start-up, whose rendezvous file
+        (vllm_dist_<id> in the temp directory) it then deletes. Ray ends an actor without letting it clean up, so an
+        engine left to ray.shutdown() leaves that file behind: one per engine start. The engine generates no more."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 class SleepSchedule:
     """When colocated vLLM engines hold their GPU memory (--colocate_all): vLLM's sleep mode hands it to the
@@ -361,6 +367,18 @@ def collect(engines: list, refs: list) -> list[list[dict]]:
     for i, result in enumerate(results):
         merged[i:: len(engines)] = result
     return merged
+
+
+def shutdown_engines(engines: list, timeout_s: float = 30.0) -> None:
+    """VLLMEngine.shutdown on every engine, before Ray ends them. An engine that died, or has not finished within
+    `timeout_s` (still generating), is left to Ray."""
+    refs = [engine.shutdown.remote() for engine in engines]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayError:
+            pass
 
 
 def wait_for(refs: list, engines: list, what: str) -> list:

@@ -6,11 +6,13 @@ RLHF_TEST_SEED (default 0) seeds the model, the task and every script; RLHF_TEST
 CPU threads, which changes the order of float reductions the way another CPU's kernels do.
 """
 
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -130,6 +132,7 @@ def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 120
     if background:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
+    rendezvous_files = vllm_rendezvous_files()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -141,7 +144,17 @@ def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 120
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-5000:]}")
+    left = vllm_rendezvous_files() - rendezvous_files
+    if check and left:
+        raise AssertionError(f"{script} finished but left {len(left)} vLLM rendezvous file(s) behind "
+                             f"({', '.join(sorted(left))}): a vLLM engine was not shut down before Ray ended it.")
     return result
+
+
+def vllm_rendezvous_files() -> set[str]:
+    """The files vLLM's engines make in the temp directory to start their process group (vllm_dist_<id>); an engine
+    removes its own when shut down (common/vllm_engine.shutdown_engines), not when Ray kills it."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
 
 
 def kill_group(proc) -> None:

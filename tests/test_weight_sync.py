@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.args import UserError, exit_if_distributed
 from common.net import free_port
 from common.tiny_model import write_tiny_model
-from common.vllm_engine import SleepSchedule, create_vllm_engines
+from common.vllm_engine import SleepSchedule, create_vllm_engines, shutdown_engines
 from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 pytestmark = pytest.mark.slow
@@ -50,6 +50,7 @@ def stack(request, tiny_model, tmp_path_factory):
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
         yield {"path": path, "engines": engines, "group": group, "prompts": prompts, "transport": transport}
+        shutdown_engines(engines)
     finally:
         ray.shutdown()
 
