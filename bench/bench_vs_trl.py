@@ -29,8 +29,8 @@ sys.path.insert(0, ROOT)
 from common.args import parse_args  # noqa: E402
 
 # name -> (prompts per step, samples per prompt, new tokens at most, micro-batch, steps timed after the warm-up).
-# The small shape's steps take under a second, so it times 20: over 6, both trainers' means still held some of the
-# first steps' allocator warm-up, and one pair's ratio moved more (0.93-0.99 against 0.94-0.98 over 20, 3 pairs each).
+# The small shape's steps take under a second, so it times 20. Over 6, both trainers' means still held some of the
+# first steps' allocator warm-up. Over 3 pairs, the ratios spanned 0.93-0.99 with 6 steps and 0.94-0.98 with 20.
 SHAPES = {"small": (4, 4, 16, 16, 20), "large": (32, 8, 64, 32, 3)}
 MODEL = {"architecture": "qwen2", "hidden_size": 512, "num_layers": 7, "num_heads": 8, "num_kv_heads": 2}  # 21.4M
 LEARNING_RATE = 1e-6
