@@ -293,6 +293,32 @@ def ray_gets_without_timeout(source: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
+def test_shutting_engines_down_leaves_those_that_fail_or_hang_to_ray():
+    """shutdown_engines ends every run that finishes: an engine whose shutdown raises, or never returns, must
+    neither fail the run nor hold it up beyond the timeout."""
+
+    @ray.remote(num_cpus=0)
+    class FailingEngine:
+        def shutdown(self):
+            raise RuntimeError("vLLM could not shut down")
+
+    @ray.remote(num_cpus=0)
+    class HangingEngine:
+        def shutdown(self):
+            time.sleep(600)
+
+    cluster = start_cluster(1, gpus=0, cpus=2)
+    try:
+        engines = [FailingEngine.remote(), HangingEngine.remote()]
+        ray.get([engine.__ray_ready__.remote() for engine in engines], timeout=60)
+        start = time.monotonic()
+        vllm_engine.shutdown_engines(engines, timeout_s=2)
+        assert time.monotonic() - start < 20
+    finally:
+        stop_cluster(cluster)
+
+
 def test_start_up_code_waits_on_ray_only_with_a_timeout():
     start_up = (ray_workers.RayWorker, ray_workers.WorkerGroup, ray_workers.make_placement_group, ray_workers.wait)
     sources = {**{f"ray_workers.{part.__name__}": inspect.getsource(part) for part in start_up},
