@@ -124,7 +124,12 @@ def as_messages(prompt) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Render a conversation; return the text and the character spans of the assistant turns."""
+    """Render a conversation; return the text and the character spans of the assistant turns.
+
+    A span runs from the end of the generation prompt to the turn's end-of-turn token: whitespace a template writes
+    after that token (ChatML's "<|im_end|>\n", Gemma's "<end_of_turn>\n") is left out, since generation stops at the
+    token and the policy never writes what follows it.
+    """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, message in enumerate(messages):
@@ -137,7 +142,7 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
                 "the chat template does not render a conversation's history as a prefix of the whole, so "
                 "assistant turns cannot be located; use --input_template instead of --apply_chat_template."
             )
-        spans.append((len(before), len(through)))
+        spans.append((len(before), max(len(before), len(through.rstrip()))))
     return text, spans
 
 
@@ -152,18 +157,27 @@ def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: 
 
 
 def render_pair(tokenizer, prompt, response: str, apply_chat_template: bool, input_template: str | None):
-    """Render prompt + response (ended by EOS); return the text and the response's character span."""
+    """Render prompt + response (ended by EOS); return the text and the response's character span.
+
+    A prompt given as a conversation may hold earlier assistant turns: they are context, and only the new response's
+    span is returned."""
     if apply_chat_template:
-        return render_chat(tokenizer, as_messages(prompt) + [{"role": "assistant", "content": response}])
+        text, spans = render_chat(tokenizer, as_messages(prompt) + [{"role": "assistant", "content": response}])
+        return text, spans[-1:]
     prompt_text = render_prompt(tokenizer, prompt, False, input_template)
     text = prompt_text + response + tokenizer.eos_token
     return text, [(len(prompt_text), len(text))]
 
 
 def tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """Tokenize `text`; a token is in the loss mask when it starts inside one of the character spans."""
+    """Tokenize `text`; a token is in the loss mask when any of its characters lies inside one of the spans.
+
+    A token may straddle a span's start: byte-level BPE merges a template's trailing space into the response's first
+    word (" seven" after "A: " is one token that starts at the space). It belongs to the response, which would
+    otherwise lose its first word from the loss.
+    """
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+    mask = [int(any(start < e and end > s for s, e in spans)) for start, end in enc["offset_mapping"]]
     return enc["input_ids"], mask
 
 
@@ -280,7 +294,14 @@ def _tokenize_response(tokenizer, prompt, response, max_len: int, apply_chat_tem
                        input_template: str | None, end_with_eos: bool) -> tuple[dict, bool]:
     """One prompt + response as {"input_ids", "loss_mask"} (the mask covers the response), and whether it was cut."""
     text, spans = render_pair(tokenizer, prompt, str(response), apply_chat_template, input_template)
-    ids, mask = tokenize_with_spans(tokenizer, text, spans)
+    return _tokenize_span(tokenizer, text, spans[0], max_len, end_with_eos)
+
+
+def _tokenize_span(tokenizer, text: str, span: tuple[int, int], max_len: int,
+                   end_with_eos: bool) -> tuple[dict, bool]:
+    """`text` as {"input_ids", "loss_mask"} with the mask on the tokens of its response `span`, truncated to max_len
+    (end_with_eos: cut after the response's EOS, and end a truncated row with one), and whether it was cut."""
+    ids, mask = tokenize_with_spans(tokenizer, text, [span])
     mask[0] = 0  # the first token has nothing before it to be predicted from
     if end_with_eos:
         ids, mask = _end_at_response_eos(ids, mask, tokenizer.eos_token_id)
@@ -354,10 +375,12 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
 
 def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key, max_len, apply_chat_template=False,
                       input_template=None, log=print) -> list[dict]:
-    """Tokenize unpaired feedback into {"input_ids", "loss_mask", "prompt_len", "label"} (kto.py).
+    """Tokenize unpaired feedback into {"input_ids", "loss_mask", "label", "prompt_text", "response_text",
+    "response_chars"} (kto.py).
 
-    `label` must be a JSON boolean (true: a desirable response). `prompt_len` is the number of tokens before the
-    response, so a response can be put after another sample's prompt (KTO's KL reference point).
+    `label` must be a JSON boolean (true: a desirable response). The rendered text split where the response starts
+    (what the template writes after the response included, the response's own `response_chars` characters first)
+    lets kto.py put a response after another sample's prompt for KTO's KL reference point (mismatched_pair).
     """
     if not rows:
         raise DataError(f"dataset {source} is empty.")
@@ -368,14 +391,29 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
         if not isinstance(label, bool):
             raise DataError(f"{source}, sample {i}: {label_key!r} must be true or false (a JSON boolean), "
                             f"got {label!r}.")
-        sample, cut = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template, input_template,
-                                         end_with_eos=False)
+        text, [(start, end)] = render_pair(tokenizer, prompt, response, apply_chat_template, input_template)
+        sample, cut = _tokenize_span(tokenizer, text, (start, end), max_len, end_with_eos=False)
         truncated += cut
         if sum(sample["loss_mask"]) == 0:
             dropped += 1
             continue
-        samples.append({**sample, "prompt_len": sample["loss_mask"].index(1), "label": label})
+        samples.append({**sample, "label": label, "prompt_text": text[:start], "response_text": text[start:],
+                        "response_chars": end - start})
     return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def mismatched_pair(tokenizer, sample: dict, other: dict, max_len: int) -> dict:
+    """`sample`'s prompt followed by `other`'s response (build_kto_samples' samples), as {"input_ids", "loss_mask"}.
+
+    The two texts are joined and tokenized as one, as the pair would be rendered: splicing token ids would lose or
+    double the characters of a token that merges the prompt's end with the response's start (a template's trailing
+    space and a response's first word). Assumes, as KTO's reference point does, that an assistant turn renders the
+    same after any prompt.
+    """
+    start = len(sample["prompt_text"])
+    text = sample["prompt_text"] + other["response_text"]
+    pair, _ = _tokenize_span(tokenizer, text, (start, start + other["response_chars"]), max_len, end_with_eos=False)
+    return pair
 
 
 def reward_model_input_ids(tokenizer, prompt, response: str, max_len: int, apply_chat_template: bool = False,

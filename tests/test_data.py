@@ -40,6 +40,57 @@ def test_input_template_and_plain_concatenation(tokenizer):
     assert masked_text(tokenizer, plain) == " 5<eos>"
 
 
+def test_a_template_s_trailing_space_merged_into_the_first_word_is_trained_on(tokenizer):
+    """Byte-level BPE makes " s" one token of "A: seven": it starts in the prompt, but the word is the response's."""
+    (sample,) = build(tokenizer, [{"prompt": "What is 3+4?", "response": "seven"}], input_template="Q: {} A: ")
+    assert "Ġs" in tokenizer.convert_ids_to_tokens(sample["input_ids"]), "no merge to test: pick another word"
+    assert masked_text(tokenizer, sample) == " seven<eos>"
+
+
+def test_chatml_s_newline_after_the_end_of_turn_token_is_not_trained_on():
+    """Generation stops at <|im_end|>: the policy never writes the newline ChatML puts after it."""
+    from common.tiny_model import build_tokenizer
+
+    chatml = build_tokenizer(chat_format="chatml")
+    (sample,) = build(chatml, [{"prompt": "What is 2+3?", "response": "5"}], apply_chat_template=True)
+    assert chatml.decode(sample["input_ids"]).endswith("5<|im_end|>\n")
+    assert masked_text(chatml, sample) == "5<|im_end|>"
+    messages = [{"role": "user", "content": "Add 1 and 2."}, {"role": "assistant", "content": "3"},
+                {"role": "user", "content": "Add 4 and 5."}, {"role": "assistant", "content": "9"}]
+    (conversation,) = build(chatml, [{"messages": messages}], input_key="messages")
+    assert masked_text(chatml, conversation) == "3<|im_end|>9<|im_end|>"
+
+
+def test_a_conversation_s_earlier_assistant_turns_are_context_for_its_response(tokenizer):
+    """A prompt given as messages may hold assistant turns: only the response after them is trained on (SFT, DPO,
+    KTO) or scored."""
+    prompt = [{"role": "user", "content": "Add 1 and 2."}, {"role": "assistant", "content": "3"},
+              {"role": "user", "content": "Add 4 and 5."}]
+    (sample,) = build(tokenizer, [{"prompt": prompt, "response": "9"}], apply_chat_template=True)
+    assert masked_text(tokenizer, sample) == "9<eos>"
+    (pair,) = data.build_preference_samples([{"prompt": prompt, "chosen": "9", "rejected": "8"}], tokenizer, "t",
+                                            "prompt", "chosen", "rejected", 128, apply_chat_template=True)
+    assert masked_text(tokenizer, pair["rejected"]) == "8<eos>"
+
+
+@pytest.mark.parametrize("template", ["Q: {} A: ", "Q: {} A:"])
+def test_kto_s_mismatched_pairs_read_as_the_prompt_followed_by_the_other_response(tokenizer, template):
+    """KTO's reference point pairs each prompt with the next sample's response; a token that merges the template's
+    trailing space with the first word must not be lost or doubled in the splice."""
+    import kto
+
+    rows = [{"prompt": "What is 3+4?", "response": "seven", "label": True},
+            {"prompt": "What is 1+1?", "response": "two", "label": False}]
+    samples = data.build_kto_samples(rows, tokenizer, "t", "prompt", "response", "label", 64,
+                                     input_template=template, log=lambda m: None)
+    batch = kto.collate(samples, tokenizer, 64, False, "cpu")
+    texts = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    assert texts[2:] == [f"<bos>{template.format('What is 3+4?')}two<eos>",
+                         f"<bos>{template.format('What is 1+1?')}seven<eos>"]
+    answers = [tokenizer.decode(ids[mask.bool()]).strip() for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
+    assert answers == ["seven<eos>", "two<eos>", "two<eos>", "seven<eos>"]
+
+
 def test_pretrain_mode_trains_on_every_token_after_the_first(tokenizer):
     (sample,) = build(tokenizer, [{"text": "What is 2+3? 5"}], input_key="text", pretrain_mode=True)
     assert sample["loss_mask"][0] == 0 and all(sample["loss_mask"][1:])
