@@ -157,11 +157,13 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, labels: torch.
     return torch.where(labels, desirable_losses, undesirable_losses), beta * logratios.detach()
 
 
-def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
-    """z0: the mean log-ratio of the mismatched pairs, averaged across ranks, clamped at 0, without gradient."""
+def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor, counts: bool = True) -> torch.Tensor:
+    """z0: the mean log-ratio of the mismatched pairs, averaged across the ranks whose `counts` is set, clamped at 0,
+    without gradient. evaluate's ranks with no eval samples left run a placeholder batch that must not count."""
     kl = (policy_kl_logps - ref_kl_logps).detach().mean()
-    dist.all_reduce(kl)
-    return (kl / dist.get_world_size()).clamp(min=0)
+    totals = torch.stack([kl * counts, torch.ones_like(kl) * counts])  # (kl sum, ranks counted)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).clamp(min=0)
 
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,11 +184,8 @@ def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, to
 def collate(samples, tokenizer, max_len, packing: bool, dev) -> dict:
     """The samples, then each prompt with the next sample's response (KTO's mismatched pairs), padded into one
     (2 * batch, seq) batch or packed into one (1, total) row: one forward pass scores both."""
-    mismatched = []
-    for sample, other in zip(samples, samples[1:] + samples[:1]):
-        prompt, response = slice(0, sample["prompt_len"]), slice(other["prompt_len"], None)
-        mismatched.append({"input_ids": (sample["input_ids"][prompt] + other["input_ids"][response])[:max_len],
-                           "loss_mask": ([0] * sample["prompt_len"] + other["loss_mask"][response])[:max_len]})
+    mismatched = [data.mismatched_pair(tokenizer, sample, other, max_len)
+                  for sample, other in zip(samples, samples[1:] + samples[:1])]
     sequences = samples + mismatched
     batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
     batch["labels"] = torch.tensor([s["label"] for s in samples])  # (batch,)
@@ -202,16 +201,16 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
     mine = samples[rank::world_size]
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:2]  # every rank runs the same number of steps
-        weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
+        counts = bool(mine[i: i + args.micro_train_batch_size])
         batch = collate(chunk, tokenizer, args.max_len, args.packing_samples, device())
         (logps, kl_logps) = forward_logps(engine, batch)
         ref_logps, ref_kl_logps = ref_forward_logps(engine, ref_engine, batch)
-        kl = kl_reference_point(kl_logps, ref_kl_logps)
+        kl = kl_reference_point(kl_logps, ref_kl_logps, counts)
         labels = batch["labels"]
         losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
                                    args.undesirable_weight)
         correct = torch.where(labels, rewards > 0, rewards < 0)  # the implicit reward has the label's sign
-        stats += weight * torch.tensor([losses.sum().item(), correct.sum().item(), rewards[labels].sum().item(),
+        stats += counts * torch.tensor([losses.sum().item(), correct.sum().item(), rewards[labels].sum().item(),
                                         labels.sum().item(), rewards[~labels].sum().item(), (~labels).sum().item()],
                                        device=device())
     dist.all_reduce(stats)
