@@ -472,9 +472,10 @@ def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[l
         scores, metrics = score(args, roles["rewards"], reward_fn, batch,
                                 [p["prompt"] for p in prompts for _ in range(n)], responses,
                                 [p["label"] for p in prompts for _ in range(n)])
-    if args.overlong_buffer_len:
-        penalty = tricks.overlong_penalty(batch["action_mask"].sum(-1), args.generate_max_len,
-                                          args.overlong_buffer_len, args.overlong_penalty_factor)
+    if args.overlong_buffer_len:  # by the tokens --generate_max_len bounds: a multi-turn episode's, the env's too
+        lengths = torch.tensor([len(s["token_ids"]) for group in samples for s in group])
+        penalty = tricks.overlong_penalty(lengths, args.generate_max_len, args.overlong_buffer_len,
+                                          args.overlong_penalty_factor)
         scores, metrics["rewards/overlong_penalty"] = scores + penalty, penalty.mean()
     return scores, metrics
 

@@ -56,14 +56,17 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 
       same, its tokens less the longer it is (GRPO as written, Shao et al. 2024).
     - "seq-mean-token-sum-norm": each sequence's token sum over the constant `max_len`, then the mean over
       sequences: no length normalisation, which with GRPO's favours long wrong answers (Dr. GRPO, Liu et al. 2025).
+
+    A sequence with no masked token (one --overlong_filter took out) is not counted in a mean over sequences.
     """
     mask = mask.bool()
+    sequences = mask.any(-1).sum().clamp(min=1)
     if mode == "token-mean":
         return masked_mean(loss, mask)
     if mode == "seq-mean-token-mean":
-        return masked_mean(loss, mask, dim=-1).mean()
+        return masked_mean(loss, mask, dim=-1).sum() / sequences
     if mode == "seq-mean-token-sum-norm":
-        return (torch.where(mask, loss, 0.0).sum(-1) / max_len).mean()
+        return torch.where(mask, loss, 0.0).sum() / max_len / sequences
     raise ValueError(f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
                      f"'seq-mean-token-sum-norm'.")
 

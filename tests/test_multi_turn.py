@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,6 +93,25 @@ def test_episodes_end_at_max_turns_at_the_budget_and_without_a_chat_template():
     [[e]] = run_episodes(generate, make_env, tokenizer, [prompt], 1, max_turns=4, max_len=first_turn + 2,
                          chat_template=False, input_template=None, prompt_max_len=64)
     assert e["turns"] == 1 and e["finish_reason"] == "length" and sum(e["env_mask"]) == len(e["token_ids"])
+
+
+def test_the_overlong_penalty_counts_the_environments_tokens_as_the_budget_does():
+    """--generate_max_len bounds an episode's tokens, the environment's replies included: an episode that used all
+    of them gets the whole --overlong_penalty_factor, though fewer of its tokens are the policy's."""
+    import ppo_ray
+
+    tokenizer = build_tokenizer()
+    prompt = {"prompt": "What is 2+3?", "ids": tokenizer("Q: What is 2+3? A:")["input_ids"], "label": "5"}
+    generate, _ = scripted_policy(tokenizer, ["1", "2"])
+    [[e]] = run_episodes(generate, make_env, tokenizer, [prompt], 1, max_turns=2, max_len=64, chat_template=False,
+                         input_template=None, prompt_max_len=64)
+    budget = len(e["token_ids"])  # "1<eos>higher2<eos>": the episode filled it
+    assert sum(e["env_mask"]) < budget and e["reward"] == 1.0
+    args = SimpleNamespace(env_fn="sum_env.py:make_env", n_samples_per_prompt=1, reward_clip=10.0,
+                           generate_max_len=budget, overlong_buffer_len=4, overlong_penalty_factor=1.0)
+    batch = ppo_ray.build_batch([prompt["ids"]], [[e]], tokenizer.eos_token_id, tokenizer.pad_token_id)
+    scores, metrics = ppo_ray.score_rollouts(args, {}, [prompt], [[e]], batch, tokenizer, None)
+    assert scores.tolist() == [0.0] and metrics["rewards/overlong_penalty"].item() == -1.0
 
 
 def test_the_environment_pays_for_the_direction_of_the_next_guess():

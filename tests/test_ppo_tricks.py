@@ -430,6 +430,16 @@ def test_loss_aggregations_worked_by_hand():
         aggregate(loss, mask, "sum")
 
 
+def test_a_response_with_no_masked_token_counts_in_no_mean():
+    """--overlong_filter zeroes a truncated response's mask: the loss is the one of the batch without it."""
+    loss = torch.tensor([[4.0, 9.0, 9.0], [1.0, 1.0, 1.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        assert aggregate(loss, mask, mode, max_len=8).item() == pytest.approx(
+            aggregate(loss[:2], mask[:2], mode, max_len=8).item()), mode
+        assert aggregate(loss, torch.zeros_like(mask), mode, max_len=8).item() == 0.0, mode
+
+
 def test_clip_higher_and_dual_clip_worked_by_hand():
     """One token per case: the ratio r = exp(logprob - old), the advantage A, and the surrogate PPO maximises."""
     ratio = torch.tensor([[1.25, 1.25, 0.9, 10.0, 10.0]])
