@@ -77,7 +77,8 @@ from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, share_cores, use_gpus, wait)
 from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
-                             sequence_rewards, token_logprobs, token_values, unpack, unpack_next_token)
+                             scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
+                             unpack_next_token)
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
                                 shutdown_engines, start_generate, wait_for, wait_for_engines)
 from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
@@ -745,6 +746,9 @@ class ScalarHeadWorker(ModelWorker):
     def load_scalar(self, args: Args, path: str, total_steps: int | None, learning_rate: float, flag: str):
         self.load(args, path, total_steps, learning_rate, model_class=AutoModelForSequenceClassification,
                   num_labels=1, flag=flag)
+        config = scalar_head_parts(self.engine)[0].config
+        if config.pad_token_id is None:  # transformers refuses a batch without one (sequence_rewards reads no padding)
+            config.pad_token_id = self.tokenizer.pad_token_id
 
     def _normalizes(self) -> bool:
         """Whether scores and values are put on the normalised reward scale: a model rm.py saved carries its

@@ -122,20 +122,21 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ reward models
 def sequence_rewards(model, input_ids, attention_mask, normalize: bool = False) -> torch.Tensor:
-    """The scalar reward of each sequence, read at its last real token: (batch,).
+    """The scalar reward of each sequence, read at its last real token (the EOS rm.py trains on): (batch,).
 
-    `model` is an AutoModelForSequenceClassification with num_labels=1, as rm.py saves it. transformers reads the
-    score at the rightmost token that is not config.pad_token_id, so padding (left or right) is rewritten to that id
-    here and the last real token, the EOS rm.py trains on, is the one read. `normalize` applies the reward mean and
-    std that rm.py stores in the config.
+    `model` is an AutoModelForSequenceClassification with num_labels=1, as rm.py saves it. The score head is applied
+    to the final hidden state at each row's last attended position, left or right padded. transformers' own pooling
+    reads the rightmost token that is not config.pad_token_id: a reward model trained elsewhere whose padding id is
+    its EOS (many Llama-family tokenizers have no pad token) would be read at the token before that EOS. `normalize`
+    applies the reward mean and std that rm.py stores in the config.
     """
-    config = getattr(model, "module", model).config  # a DeepSpeed engine wraps the model
-    input_ids = input_ids.masked_fill(attention_mask == 0, config.pad_token_id)
+    base, _, head = scalar_head_parts(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding keeps positions from 0
-    scores = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits  # (batch, 1)
-    rewards = scores.squeeze(-1).float()
-    return normalize_reward(rewards, config) if normalize else rewards
+    hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids)  # (batch, seq, hidden)
+    last = attention_mask.shape[1] - 1 - attention_mask.long().flip(-1).argmax(-1)  # (batch,)
+    rewards = head(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()
+    return normalize_reward(rewards, base.config) if normalize else rewards
 
 
 def normalize_reward(rewards: torch.Tensor, config) -> torch.Tensor:

@@ -119,9 +119,10 @@ def load_reward_model(path: str, flag: str = "--reward_pretrain", device: str | 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
-    if model.config.pad_token_id is None:  # the score is read at the last token that is not padding
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-            else tokenizer.eos_token_id
+    if tokenizer.pad_token is None:  # many tokenizers ship without one; padding is always masked out
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:  # transformers refuses a batch without one; sequence_rewards reads none
+        model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 

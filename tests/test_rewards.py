@@ -84,6 +84,28 @@ def test_reward_model_scores_what_rm_py_trains_on_batched_and_normalised(tiny_mo
     assert len(set(scores)) == len(scores)  # the head is random, not constant
 
 
+def test_a_reward_model_that_pads_with_its_eos_is_read_at_that_eos(tiny_model, tmp_path):
+    """Many Llama-family tokenizers have no pad token, so a reward model trained elsewhere pads with its EOS:
+    transformers' pooling, which reads the rightmost token that is not padding, read the token before it."""
+    out = str(tmp_path / "rm")
+    write_reward_model(tiny_model, out)
+    config = json.load(open(f"{out}/config.json"))
+    json.dump({**config, "pad_token_id": None}, open(f"{out}/config.json", "w"))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(out)
+    model, tokenizer = rewards.load_reward_model(out)
+    assert model.config.pad_token_id == tokenizer.eos_token_id
+    scores = rewards.reward_model_scores(model, tokenizer, PROMPTS, RESPONSES, batch_size=2)
+    for prompt, response, score in zip(PROMPTS, RESPONSES, scores):
+        ids = torch.tensor([data.reward_model_input_ids(tokenizer, prompt, response, 64)])
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids).last_hidden_state  # (1, seq, hidden)
+            at_eos, before = model.score(hidden[0, -2:]).squeeze(-1).tolist()[::-1]
+        assert ids[0, -1] == tokenizer.eos_token_id and abs(at_eos - before) > 1e-4
+        assert score == pytest.approx(at_eos, abs=1e-5)
+
+
 def test_reward_model_loading_and_tokenizer_mistakes(tiny_model, tmp_path):
     with pytest.raises(UserError, match="is a LlamaForCausalLM, not a reward model"):
         rewards.load_reward_model(tiny_model)
