@@ -78,7 +78,8 @@ def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict 
             if lora.is_lora(model):
                 model.save_pretrained(os.path.join(tmp, "adapter"), state_dict=lora.adapter_state_dict(state))
                 model, state = lora.base_model(model), lora.merged_state_dict(state, model)
-            model.save_pretrained(tmp, state_dict=state)
+            with lora.unquantized(model):  # QLoRA: the merged weights are dequantized
+                model.save_pretrained(tmp, state_dict=state)
             tokenizer.save_pretrained(tmp)
             publish_model_files(tmp, out_dir)
         except Exception as e:  # a full disk, a quota: said by every rank, none left waiting at a barrier

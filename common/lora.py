@@ -110,6 +110,22 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "peft_config") else model
 
 
+@contextlib.contextmanager
+def unquantized(model):
+    """A context in which save_pretrained takes `model` (a QLoRA run's base model) for the full-precision model its
+    merged state dict describes. With a quantizer attached, transformers saves the model's own state dict (packed
+    4-bit weights and the adapters) instead of the one it is given, and a quantization_config with it."""
+    quantizer = model.__dict__.pop("hf_quantizer", None)
+    config = model.config.__dict__.pop("quantization_config", None)
+    try:
+        yield model
+    finally:
+        if quantizer is not None:
+            model.hf_quantizer = quantizer
+        if config is not None:
+            model.config.quantization_config = config
+
+
 def reference(model):
     """A context in which `model` computes as its base model, adapters off: LoRA's free reference model."""
     model = getattr(model, "module", model)

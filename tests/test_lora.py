@@ -102,6 +102,42 @@ def test_target_modules_the_model_lacks_are_named_with_the_ones_it_has(model_dir
     assert lora.wrap(model, lora_args(lora_rank=0)) is model
 
 
+def test_a_base_model_with_a_quantizer_is_saved_as_the_merged_weights(model_dir, tmp_path):
+    """A QLoRA run's base model carries bitsandbytes' quantizer, and transformers' save_pretrained then wrote the
+    model's own 4-bit state dict, ignoring the merged one it was given: from_pretrained initialised every adapted
+    layer afresh. A stand-in quantizer (bitsandbytes is installed on CUDA machines only) shows the save path."""
+    from transformers import AutoTokenizer
+    from transformers.quantizers.base import HfQuantizer
+
+    from common.checkpoint import save_hf_model
+
+    class StandIn(HfQuantizer):  # what save_pretrained asks of a quantizer
+        def __init__(self):
+            pass
+
+        def is_serializable(self):
+            return True
+
+        @property
+        def is_trainable(self):
+            return True
+
+        def _process_model_before_weight_loading(self, *args, **kwargs):
+            pass
+
+    model = trained_adapter(AutoModelForCausalLM, model_dir, "CAUSAL_LM")
+    base = lora.base_model(model)
+    base.hf_quantizer = StandIn()
+    base.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    save_hf_model(model, AutoTokenizer.from_pretrained(model_dir), str(tmp_path / "out"), rank=0)
+    assert isinstance(base.hf_quantizer, StandIn) and base.config.quantization_config  # the run's model is as it was
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert getattr(saved.config, "quantization_config", None) is None
+    ids = torch.randint(3, 300, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(saved(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_a_qlora_model_is_saved_dequantized_and_merged(model_dir, tmp_path):
     """QLoRA's save path, run on CPU (bitsandbytes has CPU kernels, though the scripts refuse 4-bit without a GPU,
     where it pays): the 4-bit base weights are dequantized and merged, so the saved full-precision model computes
