@@ -243,7 +243,7 @@ def main(args: Args):
     # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
                 "the number of ranks": launcher_world_size, **lora.settings(args)}
-    checkpoint.check_resume(ckpt_dir, settings)
+    checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
     if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():

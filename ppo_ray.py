@@ -68,8 +68,8 @@ from common import lora, memory_plan, multi_turn, rewards
 from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir,
                          parse_args, run_main, stop_on_sigterm)
-from common.checkpoint import (check_settings, describe, load_train_state, save_hf_model, save_train_state,
-                               write_atomically)
+from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
+                               save_train_state, write_atomically)
 from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer, trained_zero_stage)
@@ -607,7 +607,7 @@ class ModelWorker(RayWorker):
 
     def save_state(self, ckpt_dir: str, step: int) -> None:
         save_train_state({"model": self.engine}, ckpt_dir, step, {"step": step}, self.rank,
-                         self.args.keep_last_checkpoints)
+                         keep_last=None)  # pruned by save_checkpoint once the driver has committed the step
 
     def load_state(self, ckpt_dir: str, step: int) -> None:
         load_train_state({"model": self.engine}, ckpt_dir, self.rank, step)
@@ -841,6 +841,7 @@ ASYNC_CLASHES = {
 
 def check_args(args: Args) -> None:
     """Catch flag mistakes before any worker starts."""
+    check_keep_last(args.keep_last_checkpoints)
     if args.env_fn:
         others = [flag for flag in ("reward_pretrain", "reward_fn", "remote_rm_url") if getattr(args, flag)]
         if others:
@@ -1179,6 +1180,8 @@ def save_checkpoint(args: Args, roles: dict, step: int, kl_ctl) -> None:
         write_atomically(os.path.join(ckpt_dir, "driver_state.json"), json.dumps(state))
     except OSError as e:
         raise stopped(f"could not write the checkpoint ({describe(e, ckpt_dir)})", step - 1, ckpt_dir) from None
+    for name in trained_roles(roles):  # only now: a role's older step is what a stop before this line resumes from
+        prune(os.path.join(ckpt_dir, name), step, args.keep_last_checkpoints)
 
 
 def resume(roles: dict, ckpt_dir: str, kl_ctl) -> int:

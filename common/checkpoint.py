@@ -200,9 +200,11 @@ def check_settings(saved: dict | None, settings: dict, ckpt_dir: str) -> None:
                         f"{saved[k]} to resume it, or give another --output_dir (or --ckpt_dir) to start anew.")
 
 
-def check_resume(ckpt_dir: str, settings: dict, step: int | None = None) -> None:
+def check_resume(ckpt_dir: str, settings: dict, step: int | None = None, keep_last: int = 1) -> None:
     """check_settings against the settings.json of the checkpoint a run in ckpt_dir would resume (the latest, or
-    that of `step`); nothing to check when there is none. Cheap: the trainers call it before loading a model."""
+    that of `step`); nothing to check when there is none. Also check_keep_last. Cheap: the trainers call it before
+    loading a model."""
+    check_keep_last(keep_last)
     saved = os.path.join(ckpt_dir, SETTINGS)
     if os.path.exists(saved) and (step is not None or os.path.exists(os.path.join(ckpt_dir, LATEST))):
         with open(saved) as f:
@@ -210,8 +212,9 @@ def check_resume(ckpt_dir: str, settings: dict, step: int | None = None) -> None
 
 
 def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict, rank: int,
-                     keep_last: int = 2, settings: dict | None = None) -> None:
-    """Save every engine's DeepSpeed state + client_state + RNG as ckpt_dir/step_{step}, atomically. Collective.
+                     keep_last: int | None = 2, settings: dict | None = None) -> None:
+    """Save every engine's DeepSpeed state + client_state + RNG as ckpt_dir/step_{step}, atomically, keeping the last
+    `keep_last` (None: all, for a caller whose own commit comes later and prunes then). Collective.
 
     `engines` maps a name ("model", "critic", ...) to a DeepSpeed engine; each gets its own sub-folder. ckpt_dir
     must be one folder that every rank sees (a shared filesystem across nodes), as DeepSpeed's save_checkpoint
@@ -250,14 +253,33 @@ def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict
                          f"{saved_note(ckpt_dir)}. Make room there and rerun the same command to resume.")
 
 
-def commit(partial: str, ckpt_dir: str, tag: str, keep_last: int, settings: dict | None) -> None:
-    """Make the complete checkpoint in `partial` the latest (global rank 0 alone); then drop the oldest."""
+def commit(partial: str, ckpt_dir: str, tag: str, keep_last: int | None, settings: dict | None) -> None:
+    """Make the complete checkpoint in `partial` the latest (global rank 0 alone); then, unless keep_last is None,
+    keep only the last `keep_last` (prune)."""
     if settings is not None:  # what a resumed run must match (check_settings)
         write_atomically(os.path.join(ckpt_dir, SETTINGS), json.dumps(settings, indent=1))
     replace_dir(partial, os.path.join(ckpt_dir, tag))
     write_atomically(os.path.join(ckpt_dir, LATEST), tag)
-    for old in checkpoint_steps(ckpt_dir)[:-keep_last]:
-        shutil.rmtree(os.path.join(ckpt_dir, f"step_{old}"), ignore_errors=True)
+    if keep_last is not None:
+        prune(ckpt_dir, int(tag.removeprefix("step_")), keep_last)
+
+
+def prune(ckpt_dir: str, committed: int, keep_last: int) -> None:
+    """Keep the last `keep_last` checkpoints up to the `committed` step, the one a rerun resumes from; drop the older
+    ones and any of a later step, which a run stopped before committing it left (its step may never come again, and
+    counting it would have dropped the committed one)."""
+    steps = checkpoint_steps(ckpt_dir)
+    kept = [s for s in steps if s <= committed][-keep_last:]
+    for old in steps:
+        if old not in kept:
+            shutil.rmtree(os.path.join(ckpt_dir, f"step_{old}"), ignore_errors=True)
+
+
+def check_keep_last(keep_last: int) -> None:
+    """Refuse a --keep_last_checkpoints that would keep no checkpoint to resume from."""
+    if keep_last < 1:
+        raise UserError(f"--keep_last_checkpoints must be 1 or more (it keeps that many checkpoints), got "
+                        f"{keep_last}.")
 
 
 def write_atomically(path: str, text: str) -> None:

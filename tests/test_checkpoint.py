@@ -121,3 +121,24 @@ def test_a_write_that_fails_on_one_rank_stops_every_rank_with_one_sentence_and_k
     assert open(os.path.join(ckpt, "latest")).read() == "step_1"
     assert sorted(os.listdir(ckpt)) == [".partial", "latest", "step_1"]
     assert os.listdir(os.path.join(ckpt, ".partial")) == []  # the failed step's files are gone, their space freed
+
+
+def test_pruning_keeps_the_committed_step_and_those_before_it(tmp_path):
+    """A run stopped after renaming step 20 into place but before writing `latest` left it uncommitted; the rerun,
+    saving every 5 steps, commits step 15: counting step 20 among the last ones kept would have dropped step 15, the
+    only one `latest` names. ppo_ray.py prunes each role's folder the same way once driver_state.json commits."""
+    from common.args import UserError
+    from common.checkpoint import check_keep_last, commit
+
+    ckpt = str(tmp_path)
+    for step in (5, 10, 20):
+        os.makedirs(os.path.join(ckpt, f"step_{step}"))
+    os.makedirs(os.path.join(ckpt, ".partial", "step_15"))
+    commit(os.path.join(ckpt, ".partial", "step_15"), ckpt, "step_15", keep_last=2, settings=None)
+    assert sorted(os.listdir(ckpt)) == [".partial", "latest", "step_10", "step_15"]
+    os.makedirs(os.path.join(ckpt, ".partial", "step_25"))
+    commit(os.path.join(ckpt, ".partial", "step_25"), ckpt, "step_25", keep_last=None, settings=None)
+    assert sorted(os.listdir(ckpt)) == [".partial", "latest", "step_10", "step_15", "step_25"]  # left to the caller
+    for keep_last in (0, -1):
+        with pytest.raises(UserError, match=f"--keep_last_checkpoints must be 1 or more .*got {keep_last}"):
+            check_keep_last(keep_last)
