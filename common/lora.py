@@ -56,9 +56,10 @@ def check_args(args, gpu: bool | None = None) -> None:
 
 
 def settings(args) -> dict:
-    """The LoRA flags a resumed run must share with its checkpoint (they fix what the checkpoint's tensors are)."""
+    """The LoRA flags a resumed run must share with its checkpoint (they fix what the checkpoint's tensors are):
+    --lora_rank 0 too, so that turning LoRA on or off for a resumed run is refused in one sentence."""
     if not args.lora_rank:
-        return {}
+        return {"--lora_rank": 0}
     return {"--lora_rank": args.lora_rank, "--lora_alpha": args.lora_alpha, "--target_modules": args.target_modules}
 
 

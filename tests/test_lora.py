@@ -173,3 +173,13 @@ def test_a_qlora_model_is_saved_dequantized_and_merged(model_dir, tmp_path):
     # bitsandbytes' CPU matmul rounds (a dequantized copy of the 4-bit model, without adapters, is as far from it),
     # so the merged model is held to carrying nearly all of the adapters' effect rather than to float rounding.
     assert (saved - adapted).abs().max() < 0.05 * (base - adapted).abs().max()
+
+
+def test_resuming_with_lora_turned_on_or_off_is_refused_in_one_sentence(tmp_path):
+    from common.checkpoint import check_settings
+
+    with_lora, without = lora.settings(lora_args()), lora.settings(lora_args(lora_rank=0))
+    for saved, now in ((without, with_lora), (with_lora, without)):
+        with pytest.raises(UserError, match=f"holds a run made with --lora_rank {saved['--lora_rank']}, not "
+                                            f"{now['--lora_rank']}; rerun with --lora_rank"):
+            check_settings(saved, now, str(tmp_path))
