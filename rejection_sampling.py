@@ -289,8 +289,11 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
     return [[sample["token_ids"] for sample in samples] for chunk in results for samples in chunk], sampling_seconds
 
 
-def score(args: Args, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str):
-    """The reward of every response, (prompts, n), from the weighted sum of all reward sources, scored in batches."""
+def score(args: Args, tokenizer, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str):
+    """The reward of every response, (prompts, n), from the weighted sum of all reward sources, scored in batches.
+
+    Each reward model reads prompt + response rendered by the policy's `tokenizer` (its chat template, its input
+    template), as ppo_ray.py's reward models do: main has checked that the vocabularies and EOS are the same."""
     n = args.n_samples_per_prompt
     flat_prompts = [p for p in prompts for _ in range(n)]
     flat_labels = [label for label in labels for _ in range(n)]
@@ -305,7 +308,7 @@ def score(args: Args, prompts: list, labels: list, responses: list[list[str]], r
         # A prompt + response fills at most the engine's context; its EOS may add one token.
         sources = [rewards.reward_model_scores(model, tokenizer, p, r, args.apply_chat_template, args.input_template,
                                                args.reward_batch_size, args.max_model_len + 1)
-                   for model, tokenizer in models]
+                   for model, _ in models]
         if reward_fn:
             sources.append(rewards.call_reward_fn(reward_fn, p, r, labels_))
         if args.remote_rm_url:
@@ -446,7 +449,7 @@ def main(args: Args):
             scores = [row["rewards"] for row in data.load_records(files["scored"])]
         else:
             start = time.time()
-            scores = score(args, prompts, labels, responses, reward_fn, f"iteration {k}: score")
+            scores = score(args, tokenizer, prompts, labels, responses, reward_fn, f"iteration {k}: score")
             write_jsonl(files["scored"], [{"prompt": p, "label": label, "responses": texts, "rewards": s}
                                           for p, label, texts, s in zip(prompts, labels, responses, scores)])
             seconds["score"] = time.time() - start

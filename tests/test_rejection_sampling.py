@@ -114,6 +114,26 @@ def test_the_reward_is_written_into_the_prompt_once_spelled():
     assert chat[3]["content"] == "What is 2+3?"  # the caller's prompt is left as it was
 
 
+def test_a_reward_model_reads_what_the_policy_s_template_renders(tiny_model, task, tmp_path):
+    """As in ppo_ray.py, whose reward models score the policy's token ids: a reward model saved with another chat
+    template (same vocabulary and EOS, which main checks) reads prompt + response as the policy renders them."""
+    from rejection_sampling import score
+
+    rm_dir = write_reward_model(tiny_model, str(tmp_path / "rm"), tokenizer=build_tokenizer(chat_format="chatml"))
+    policy_tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    args = parse_args(Args, rs_args(tiny_model, task, str(tmp_path / "out"), "--reward_pretrain", rm_dir,
+                                    "--n_samples_per_prompt", "2"))
+    args.reward_fn = None
+    prompts, labels, responses = ["What is 2+3?", "Add 4 and 4."], ["5", "8"], [["5", "6"], ["8", "eight"]]
+    scores = score(args, policy_tokenizer, prompts, labels, responses, None, "score")
+    model, rm_tokenizer = load_reward_model(rm_dir)
+    flat = [r for texts in responses for r in texts]
+    expected = reward_model_scores(model, policy_tokenizer, [p for p in prompts for _ in range(2)], flat, True)
+    other = reward_model_scores(model, rm_tokenizer, [p for p in prompts for _ in range(2)], flat, True)
+    assert [s for row in scores for s in row] == pytest.approx(expected, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(expected, other)) > 1e-3  # the templates do read differently
+
+
 def test_training_runs_as_a_user_would_type_it():
     args = Args(pretrain="p", mode="dpo_pairs", apply_chat_template=True, train_args="--max_steps 5 --beta 0.2",
                 train_num_gpus=2)
