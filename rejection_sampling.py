@@ -156,9 +156,10 @@ class Args:
 
 
 # Settings a resumed run may change: they decide neither which samples are drawn nor how they are selected. More
-# --iterations continue a finished run with more rounds.
-RESUMABLE_CHANGES = ("iterations", "train_num_gpus", "generate_batch_size", "reward_batch_size", "use_wandb",
-                     "vllm_gpu_memory_utilization", "enforce_eager")
+# --iterations continue a finished run with more rounds. (Not --generate_batch_size: its chunks decide which engine,
+# each seeded apart, samples which prompts, in which batches.)
+RESUMABLE_CHANGES = ("iterations", "train_num_gpus", "reward_batch_size", "use_wandb", "vllm_gpu_memory_utilization",
+                     "enforce_eager")
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC

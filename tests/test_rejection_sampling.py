@@ -187,6 +187,9 @@ def test_a_run_resumes_only_with_the_settings_it_started_with(tmp_path):
     with pytest.raises(UserError, match="started with --n_samples_per_prompt 8, not 4; rerun with its settings"):
         load_state(Args(pretrain="p", dataset="d.jsonl", output_dir=args.output_dir, iterations=2,
                         n_samples_per_prompt=4))
+    with pytest.raises(UserError, match="started with --generate_batch_size 256, not 64; rerun with its settings"):
+        load_state(Args(pretrain="p", dataset="d.jsonl", output_dir=args.output_dir, iterations=2,
+                        generate_batch_size=64))  # its chunks decide which engine samples which prompts
     with pytest.raises(UserError, match="started with --iterations 2; one with --iterations 0 cannot continue it"):
         load_state(Args(pretrain="p", dataset="d.jsonl", output_dir=args.output_dir, iterations=0))
 
