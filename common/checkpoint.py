@@ -37,17 +37,32 @@ def replace_dir(tmp: str, final: str) -> None:
         os.rename(tmp, final)
 
 
+# What a Hugging Face model, tokenizer or adapter save writes: an earlier save's file of these that the new one lacks
+# would be loaded with it (a chat_template.jinja, an adapter folder, a weights shard).
+MODEL_FILES = ("adapter", "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json",
+               "generation_config.json", "chat_template.jinja", "chat_template.json", "tokenizer.json",
+               "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+               "vocab.json", "merges.txt")
+
+
 def publish_model_files(tmp: str, out_dir: str) -> None:
     """Move a complete model folder's files into out_dir, which may also hold logs and checkpoints.
 
     config.json is what makes a folder loadable, so the old one goes first and the new one last: a run killed
-    part-way leaves a folder that transformers refuses to load, never one that mixes two models.
+    part-way leaves a folder that transformers refuses to load, never one that mixes two models. An earlier model's
+    files (MODEL_FILES) that the new one does not replace go with the old config.json.
     """
     os.makedirs(out_dir, exist_ok=True)
     config = os.path.join(out_dir, "config.json")
     if os.path.exists(config):
         os.remove(config)
-    names = sorted(os.listdir(tmp), key=lambda name: name == "config.json")
+    fresh = set(os.listdir(tmp))
+    for pattern in MODEL_FILES:
+        for stale in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
+            if os.path.basename(stale) not in fresh:
+                shutil.rmtree(stale) if os.path.isdir(stale) else os.remove(stale)
+    names = sorted(fresh, key=lambda name: name == "config.json")
     for name in names:
         target = os.path.join(out_dir, name)
         if os.path.isdir(target):

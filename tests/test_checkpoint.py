@@ -142,3 +142,22 @@ def test_pruning_keeps_the_committed_step_and_those_before_it(tmp_path):
     for keep_last in (0, -1):
         with pytest.raises(UserError, match=f"--keep_last_checkpoints must be 1 or more .*got {keep_last}"):
             check_keep_last(keep_last)
+
+
+def test_a_model_saved_over_another_leaves_none_of_its_files_but_keeps_the_run_s_own(tmp_path):
+    """A LoRA run's adapter folder, a chat template or a weights shard of an earlier model in the same --output_dir
+    would be loaded with the new model; logs and checkpoints stay."""
+    from common.checkpoint import publish_model_files
+
+    out, tmp = tmp_path / "out", tmp_path / "out" / ".model.tmp"
+    for stale in ("adapter/adapter_model.safetensors", "chat_template.jinja", "model-00001-of-00002.safetensors",
+                  "model.safetensors.index.json", "config.json", "metrics.jsonl", "checkpoints/latest"):
+        (out / stale).parent.mkdir(parents=True, exist_ok=True)
+        (out / stale).write_text("old")
+    tmp.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp / name).write_text("new")
+    publish_model_files(str(tmp), str(out))
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "model.safetensors",
+                                       "tokenizer.json"]
+    assert (out / "config.json").read_text() == "new" and (out / "checkpoints" / "latest").read_text() == "old"
