@@ -55,9 +55,11 @@ class Args:
     dataset: str = ""
     """training feedback: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
     dataset_split: str = "train"
-    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    """split to read when --dataset is a `datasets` name, a saved DatasetDict or a folder of per-split files"""
     eval_dataset: str | None = None
     """held-out feedback in the same format, for the eval loss and reward accuracy"""
+    eval_dataset_split: str = "test"
+    """split to read when --eval_dataset is a `datasets` name, a saved dataset or a folder of per-split files"""
     input_key: str = "prompt"
     """key of the prompt (text, or a list of chat messages)"""
     output_key: str = "response"
@@ -258,7 +260,7 @@ def main(args: Args):
                                       log=lambda msg: print_rank0(launcher_rank, msg))
 
     train_samples = load_samples(args.dataset, args.dataset_split)
-    eval_samples = load_samples(args.eval_dataset, "test") if args.eval_dataset else []
+    eval_samples = load_samples(args.eval_dataset, args.eval_dataset_split) if args.eval_dataset else []
     steps_per_epoch = len(train_samples) // args.train_batch_size
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "

@@ -111,9 +111,11 @@ class Args:
     prompt_data: str = ""
     """prompts: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
     prompt_split: str = "train"
-    """split to read when --prompt_data is a `datasets` name"""
+    """split to read when --prompt_data is a `datasets` name, a saved dataset or a folder of per-split files"""
     eval_prompt_data: str | None = None
     """held-out prompts, answered greedily and scored every --eval_steps"""
+    eval_prompt_split: str = "test"
+    """split to read when --eval_prompt_data is a `datasets` name, a saved dataset or a folder of per-split files"""
     input_key: str = "prompt"
     """key of the prompt (text, or a list of chat messages)"""
     label_key: str = "label"
@@ -1248,7 +1250,8 @@ def load_data(args: Args, tokenizer) -> tuple[list[dict], list[dict], list[dict]
     if len(prompts) < args.rollout_batch_size:  # a step would ask some prompts twice
         raise DataError(f"{args.prompt_data} has {len(prompts)} usable prompts, fewer than one rollout batch; lower "
                         f"--rollout_batch_size to {len(prompts)} or less, or give more prompts.")
-    eval_prompts = load_prompts(args, tokenizer, args.eval_prompt_data, "test") if args.eval_prompt_data else []
+    eval_prompts = (load_prompts(args, tokenizer, args.eval_prompt_data, args.eval_prompt_split)
+                    if args.eval_prompt_data else [])
     ptx_samples = None
     if args.ptx_data:
         ptx_samples = build_sft_samples(load_records(args.ptx_data), tokenizer, args.ptx_data, args.ptx_key, "",

@@ -81,7 +81,7 @@ class Args:
     dataset: str = ""
     """prompts: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
     dataset_split: str = "train"
-    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    """split to read when --dataset is a `datasets` name, a saved DatasetDict or a folder of per-split files"""
     input_key: str = "prompt"
     """key of the prompt (text, or a list of chat messages)"""
     label_key: str = "label"

@@ -57,9 +57,11 @@ class Args:
     dataset: str = ""
     """training pairs: a .jsonl/.json/.parquet file, a folder of them, or a `datasets` name"""
     dataset_split: str = "train"
-    """split to read when --dataset is a `datasets` name or a saved DatasetDict"""
+    """split to read when --dataset is a `datasets` name, a saved DatasetDict or a folder of per-split files"""
     eval_dataset: str | None = None
     """held-out pairs in the same format, for the eval loss, the accuracy and the reward statistics"""
+    eval_dataset_split: str = "test"
+    """split to read when --eval_dataset is a `datasets` name, a saved dataset or a folder of per-split files"""
     input_key: str = "prompt"
     """key of the prompt (text, or a list of chat messages)"""
     chosen_key: str = "chosen"
@@ -224,7 +226,8 @@ def main(args: Args):
 
     log = lambda msg: print_rank0(launcher_rank, msg)
     train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log)
-    eval_samples = load_pairs(args, tokenizer, args.eval_dataset, "test", log) if args.eval_dataset else []
+    eval_samples = (load_pairs(args, tokenizer, args.eval_dataset, args.eval_dataset_split, log)
+                    if args.eval_dataset else [])
     steps_per_epoch = len(train_samples) // args.train_batch_size
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "

@@ -66,8 +66,20 @@ def _read_file(path: str) -> list[dict]:
     raise DataError(f"{path}: unsupported file type; use one of {', '.join(DATA_EXTENSIONS)}.")
 
 
+# File-name stems that mark a split in a dataset folder (train.jsonl, test-00000-of-00002.parquet, ...).
+SPLIT_NAMES = ("train", "test", "validation", "valid", "eval", "dev")
+
+
+def _split_of(file_name: str) -> str | None:
+    stem = file_name.split(".", 1)[0]
+    return next((name for name in SPLIT_NAMES if stem == name or stem.startswith(name + "-")), None)
+
+
 def load_records(source: str, split: str = "train") -> list[dict]:
-    """Read a dataset into a list of dicts. `split` is used only for `datasets` names and saved datasets."""
+    """Read a dataset into a list of dicts: a file, a folder of files, a saved `datasets` dataset or a `datasets`
+    name. `split` picks the split of the last two, and of a folder whose file names carry splits (train.jsonl and
+    test.jsonl, or train-00000-of-00002.parquet): only that split's files are read. A folder without such names is
+    one dataset, all its files."""
     if os.path.isfile(source):
         return _read_file(source)
     if os.path.isdir(source):
@@ -77,10 +89,20 @@ def load_records(source: str, split: str = "train") -> list[dict]:
             import datasets
 
             ds = datasets.load_from_disk(source)
+            if isinstance(ds, datasets.DatasetDict) and split not in ds:
+                raise DataError(f"dataset {source} has no split {split!r}; its splits are {sorted(ds)}. Name one "
+                                f"with the split flag (e.g. --dataset_split), or give that split's own dataset.")
             return list(ds[split] if isinstance(ds, datasets.DatasetDict) else ds)
         files = sorted(f for f in os.listdir(source) if f.endswith(DATA_EXTENSIONS))
         if not files:
             raise DataError(f"dataset folder {source} has no {', '.join(DATA_EXTENSIONS)} files.")
+        splits = {f: _split_of(f) for f in files}
+        if any(splits.values()):
+            files = [f for f in files if splits[f] == split]
+            if not files:
+                raise DataError(f"dataset folder {source} has no file of split {split!r} (it has "
+                                f"{', '.join(sorted(splits))}); name one of its splits with the split flag (e.g. "
+                                f"--dataset_split), or give that split's file.")
         return [row for f in files for row in _read_file(os.path.join(source, f))]
     if source.endswith(DATA_EXTENSIONS) or source.startswith((".", "/", "~")):
         raise DataError(f"dataset file {source} does not exist; check the path.")

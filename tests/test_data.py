@@ -194,6 +194,24 @@ def test_loading_formats_and_their_errors(tmp_path):
         data.get_key(rows[0], "question", 0, "d.jsonl")
 
 
+def test_a_folder_of_per_split_files_is_read_one_split_at_a_time(tmp_path):
+    """train.jsonl and test.jsonl in one folder: reading both for --dataset and --eval_dataset alike trained on the
+    held-out rows and evaluated on the training ones."""
+    import datasets
+
+    for name, rows in (("train.jsonl", [{"p": "a"}, {"p": "b"}]), ("test.jsonl", [{"p": "c"}]),
+                       ("train-00001-of-00002.jsonl", [{"p": "d"}])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["p"] for r in data.load_records(str(tmp_path), "train")] == ["d", "a", "b"]
+    assert [r["p"] for r in data.load_records(str(tmp_path), "test")] == ["c"]
+    with pytest.raises(data.DataError, match="has no file of split 'validation' .*--dataset_split"):
+        data.load_records(str(tmp_path), "validation")
+    saved = str(tmp_path / "saved")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"p": "a"}])}).save_to_disk(saved)
+    with pytest.raises(data.DataError, match=r"has no split 'test'; its splits are \['train'\]"):
+        data.load_records(saved, "test")
+
+
 def test_micro_batches_split_a_global_batch_across_ranks_deterministically():
     world, steps = 2, []
     for rank in range(world):
