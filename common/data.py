@@ -15,6 +15,7 @@ which works for any chat template that renders history stably.
 import json
 import os
 import random
+import string
 
 import torch
 
@@ -145,6 +146,25 @@ def as_messages(prompt) -> list[dict]:
     raise DataError(f"expected text or a list of {{'role', 'content'}} messages, got {str(prompt)[:80]!r}.")
 
 
+def check_chat_template(tokenizer) -> None:
+    """A DataError unless the tokenizer has a chat template to render conversations with."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the tokenizer has no chat template to render conversations and --apply_chat_template "
+                        "with; give --input_template instead, or a model whose tokenizer_config.json has one.")
+
+
+def check_input_template(template: str) -> None:
+    """A DataError unless `template` holds the prompt's place as exactly one `{}`: str.format would silently drop a
+    prompt from a template without one, and fail on other braces."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError:
+        fields = None
+    if fields != [""]:
+        raise DataError(f"--input_template {template!r} must hold the prompt's place as one {{}}, as in "
+                        f"'Question: {{}} Answer: ' (write {{{{ and }}}} for a literal brace).")
+
+
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return the text and the character spans of the assistant turns.
 
@@ -152,6 +172,7 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     after that token (ChatML's "<|im_end|>\n", Gemma's "<end_of_turn>\n") is left out, since generation stops at the
     token and the policy never writes what follows it.
     """
+    check_chat_template(tokenizer)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, message in enumerate(messages):
@@ -171,9 +192,15 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
 def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: str | None) -> str:
     """The text a model is asked to continue: used by generation and by every prompt/response pair."""
     if apply_chat_template:
+        check_chat_template(tokenizer)
         return tokenizer.apply_chat_template(as_messages(prompt), tokenize=False, add_generation_prompt=True)
-    if not isinstance(prompt, str):
+    if isinstance(prompt, list):
         raise DataError("a prompt given as a list of messages needs --apply_chat_template.")
+    if not isinstance(prompt, str):
+        raise DataError(f"a prompt must be text (or, with --apply_chat_template, a list of messages), got "
+                        f"{type(prompt).__name__} {str(prompt)[:40]!r}.")
+    if input_template is not None:
+        check_input_template(input_template)
     text = input_template.format(prompt) if input_template else prompt
     return (tokenizer.bos_token or "") + text
 
@@ -216,10 +243,17 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         if pretrain_mode:
-            text = (tokenizer.bos_token or "") + str(get_key(row, input_key, i, source)) + tokenizer.eos_token
+            document = get_key(row, input_key, i, source)
+            if not isinstance(document, str):  # str() would have trained on the text "None" or "['a', 'b']"
+                raise DataError(f"{source}, sample {i}: {input_key!r} must be the text to train on, got "
+                                f"{type(document).__name__} {str(document)[:40]!r}.")
+            text = (tokenizer.bos_token or "") + document + tokenizer.eos_token
             spans = [(0, len(text))]
         elif isinstance(row.get(input_key), list) and output_key not in row:
             text, spans = render_chat(tokenizer, as_messages(row[input_key]))
+            if not spans:
+                raise DataError(f"{source}, sample {i}: the conversation under {input_key!r} has no assistant turn "
+                                f"to train on; add one, or give the response under --output_key.")
         else:
             prompt, response = get_key(row, input_key, i, source), get_response(row, output_key, i, source, input_key)
             text, spans = render_pair(tokenizer, prompt, response, apply_chat_template, input_template)

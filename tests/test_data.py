@@ -1,5 +1,6 @@
 """Data plumbing: loading, templates, loss masks, truncation, packing, batching and argument parsing."""
 
+import copy
 import json
 from dataclasses import dataclass
 
@@ -89,6 +90,29 @@ def test_kto_s_mismatched_pairs_read_as_the_prompt_followed_by_the_other_respons
                          f"<bos>{template.format('What is 1+1?')}seven<eos>"]
     answers = [tokenizer.decode(ids[mask.bool()]).strip() for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
     assert answers == ["seven<eos>", "two<eos>", "two<eos>", "seven<eos>"]
+
+
+def test_templates_and_rows_that_would_train_on_the_wrong_text_are_one_sentence(tokenizer):
+    """A template without {} dropped every prompt ("Answer: ".format(p) is "Answer: "); --pretrain_mode trained on
+    str(None); a conversation without an assistant turn was blamed on --max_len; a tokenizer without a chat template
+    raised transformers' own error."""
+    rows = [{"prompt": "What is 2+3?", "response": "5"}]
+    for template in ("Answer: ", "None", "Q: {} A: {}", '{"a": 1} Q: {}', "Q: {question} A:"):
+        with pytest.raises(data.DataError, match="--input_template .* must hold the prompt's place as one {}"):
+            build(tokenizer, rows, input_template=template)
+    (braces,) = build(tokenizer, rows, input_template='{{"q": "{}"}} A:')
+    assert tokenizer.decode(braces["input_ids"]).startswith('<bos>{"q": "What is 2+3?"} A:')
+    with pytest.raises(data.DataError, match=r"test.jsonl, sample 1: 'text' must be the text to train on, got "
+                                             r"NoneType 'None'"):
+        build(tokenizer, [{"text": "a"}, {"text": None}], input_key="text", pretrain_mode=True)
+    with pytest.raises(data.DataError, match="sample 0: the conversation under 'messages' has no assistant turn"):
+        build(tokenizer, [{"messages": [{"role": "user", "content": "hi"}]}], input_key="messages")
+    with pytest.raises(data.DataError, match="a prompt must be text .*got int '7'"):
+        build(tokenizer, [{"prompt": 7, "response": "5"}])
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(data.DataError, match="the tokenizer has no chat template .* give --input_template instead"):
+        build(bare, rows, apply_chat_template=True)
 
 
 def test_pretrain_mode_trains_on_every_token_after_the_first(tokenizer):
