@@ -844,6 +844,8 @@ ASYNC_CLASHES = {
 def check_args(args: Args) -> None:
     """Catch flag mistakes before any worker starts."""
     check_keep_last(args.keep_last_checkpoints)
+    if args.max_steps < 1:
+        raise UserError(f"--max_steps {args.max_steps} runs no PPO step; give 1 or more.")
     if args.env_fn:
         others = [flag for flag in ("reward_pretrain", "reward_fn", "remote_rm_url") if getattr(args, flag)]
         if others:

@@ -149,7 +149,9 @@ def _unwrap_optional(tp):
 
 
 def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No abbreviations: with flags that share prefixes, a misspelt one (--max_step) would silently set another.
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -171,11 +173,31 @@ def build_parser(cls, description: str | None = None) -> argparse.ArgumentParser
     return parser
 
 
+_positive = (lambda v: 0 < v < float("inf"), "a positive number")
+_fraction = (lambda v: 0 <= v <= 1, "between 0 and 1")
+_at_least_0 = (lambda v: v >= 0, "0 or more")
+_at_least_1 = (lambda v: v >= 1, "1 or more")
+# Flags whose values outside these ranges no run means, in whichever script has them: a negative --min_lr_ratio
+# made the schedule's tail gradient ascent, a --max_epochs of 0 saved the untrained model as the result, a
+# --logging_steps of 0 divided by zero. NaN is in none of them.
+RANGES = {"learning_rate": _positive, "actor_learning_rate": _positive, "critic_learning_rate": _positive,
+          "warmup_ratio": _fraction, "min_lr_ratio": _fraction, "weight_decay": _at_least_0, "grad_clip": _at_least_0,
+          "max_steps": _at_least_0, "eval_steps": _at_least_0, "save_steps": _at_least_0, "max_epochs": _at_least_1,
+          "train_batch_size": _at_least_1, "micro_train_batch_size": _at_least_1, "logging_steps": _at_least_1,
+          "rollout_batch_size": _at_least_1, "n_samples_per_prompt": _at_least_1,
+          "micro_rollout_batch_size": _at_least_1}
+
+
 def parse_args(cls, argv: list[str] | None = None):
-    """Parse the command line (or `argv`) into an instance of the dataclass `cls`."""
+    """Parse the command line (or `argv`) into an instance of the dataclass `cls`; a value outside its RANGES is
+    argparse's error (usage, one line, exit code 2)."""
     description = inspect.getmodule(cls).__doc__ if inspect.getmodule(cls) else None
-    namespace = build_parser(cls, description).parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(cls, description)
+    namespace = parser.parse_args(sys.argv[1:] if argv is None else argv)
     values = {k: v for k, v in vars(namespace).items() if k != "local_rank"}
+    for name, (allowed, what) in RANGES.items():
+        if values.get(name) is not None and not allowed(values[name]):
+            parser.error(f"--{name} {values[name]} must be {what}.")
     return cls(**values)
 
 

@@ -282,6 +282,27 @@ def test_reward_model_rows_end_at_the_response_eos_with_chatml():
     assert chatml.decode(pair["chosen"]["input_ids"]).endswith("<|im_end|>\n"), "DPO keeps the template's rows"
 
 
+def test_values_no_run_means_and_abbreviated_flags_are_refused_by_the_parser(capsys):
+    import ppo_ray
+    import sft
+
+    cases = {("--min_lr_ratio", "-1"): "--min_lr_ratio -1.0 must be between 0 and 1.",
+             ("--warmup_ratio", "5"): "--warmup_ratio 5.0 must be between 0 and 1.",
+             ("--learning_rate", "nan"): "--learning_rate nan must be a positive number.",
+             ("--max_epochs", "0"): "--max_epochs 0 must be 1 or more.",
+             ("--max_steps", "-5"): "--max_steps -5 must be 0 or more.",
+             ("--logging_steps", "0"): "--logging_steps 0 must be 1 or more.",
+             ("--max_step", "10"): "unrecognized arguments: --max_step 10"}
+    for argv, message in cases.items():
+        with pytest.raises(SystemExit) as stop:
+            parse_args(sft.Args, ["--pretrain", "p", "--dataset", "d", *argv])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        parse_args(ppo_ray.Args, ["--pretrain", "p", "--prompt_data", "d", "--micro_rollout_batch_size", "0"])
+    assert "--micro_rollout_batch_size 0 must be 1 or more." in capsys.readouterr().err
+    assert parse_args(ppo_ray.Args, ["--pretrain", "p", "--prompt_data", "d"]).micro_rollout_batch_size is None
+
+
 def test_stream_indices_walk_every_sample_once_per_pass_and_can_be_recomputed():
     first_pass = data.stream_indices(10, 10, seed=1, start=0)
     assert sorted(first_pass) == list(range(10))

@@ -18,6 +18,7 @@ import ppo_ray
 import rejection_sampling
 import rm
 from common import rewards
+from common.deepspeed_utils import load_tokenizer
 from common.tiny_model import write_tiny_model
 
 PROMPT, RESPONSE, OTHER = "What is 3+4?", "7", "8"
@@ -82,7 +83,8 @@ def rejection_sampling_sequence(path, monkeypatch, apply_chat_template) -> list[
                                    input_template=None if apply_chat_template else "Q: {} A: ",
                                    n_samples_per_prompt=1, generate_max_len=16)
     rejection_sampling.check_args(args)  # as main() does: fills in --max_model_len from the model
-    rejection_sampling.score(args, [PROMPT], [None], [[RESPONSE]], None, "score")
+    policy_tokenizer = load_tokenizer(args.pretrain)  # as main() loads it
+    rejection_sampling.score(args, policy_tokenizer, [PROMPT], [None], [[RESPONSE]], None, "score")
     return seen[0]
 
 
