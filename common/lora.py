@@ -13,8 +13,8 @@ What the scripts use:
     the base model itself, not a second copy of the weights;
   - `merged_state_dict` folds W + (alpha / r) B A back under the base model's own names: the saved model loads with
     plain `from_pretrained` and in vLLM, and the adapter is saved on its own beside it (checkpoint.save_hf_model);
-  - `iter_merged_params` yields the merged weights of the adapted layers only, for the weight sync to vLLM: every
-    other weight is frozen, so the engines already hold it.
+  - `iter_merged_params` yields the merged weights of the adapted layers, and the linear layers beside them, for
+    the weight sync to vLLM: every other weight is frozen, so the engines already hold it.
 """
 
 import contextlib
@@ -93,6 +93,13 @@ def wrap(model, args, task_type: str = "CAUSAL_LM"):
                          if isinstance(m, torch.nn.Linear)})
         raise UserError(f"--target_modules {args.target_modules}: {str(e).splitlines()[0]} Give 'all-linear' or "
                         f"some of this model's linear layers: {','.join(linear)}.") from None
+    from peft.tuners.lora import LoraLayer
+
+    other = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                    if isinstance(m, LoraLayer) and ADAPTER not in m.lora_A})
+    if other:  # an embedding's adapter lives in lora_embedding_A/B, which merging and the weight sync do not read
+        raise UserError(f"--target_modules {args.target_modules}: {','.join(other)} is not a linear layer, and LoRA "
+                        f"here adapts linear layers only; leave it out.")
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter's full size
     trained = sum(numel(p) for p in model.parameters() if p.requires_grad)
     total = sum(numel(p) for p in model.parameters())
@@ -191,18 +198,37 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def iter_merged_params(model):
-    """Yield (Hugging Face name, merged weight) for each adapted layer, gathering ZeRO-3 shards one layer at a time.
+    """Yield (Hugging Face name, weight) for each adapted layer, merged, and for the other linear layers beside one
+    (children of the same module), as they are; gathering ZeRO-3 shards one layer at a time.
 
     A collective under ZeRO-3, like weight_sync.iter_gathered_params: every trainer rank runs through it. Only the
-    adapted layers change during LoRA training, so these are all the weights vLLM needs after the first sync.
+    adapted layers change during LoRA training, but vLLM fuses sibling layers into one weight (q, k and v into
+    qkv_proj; gate and up into gate_up_proj) and rebuilds a fused weight from the parts a sync sends: with
+    --target_modules q_proj,v_proj alone, k's rows came back as uninitialised memory. Sending every linear sibling
+    of an adapted layer fills each fused weight whole; with all-linear they are all adapted anyway.
     """
     import deepspeed
 
     model = getattr(model, "module", model)
-    for name, module in _lora_layers(model).items():
-        params = [module.base_layer.weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight]
-        partitioned = [p for p in params if hasattr(p, "ds_id")]
-        with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
-            weight = merged_weight(dequantized(params[0], model.dtype).detach(), params[1].detach(),
-                                   params[2].detach(), module.scaling[ADAPTER], module.fan_in_fan_out)
-        yield name.removeprefix(PEFT_PREFIX) + ".weight", weight
+    adapted = _lora_layers(model)
+    parents = {name.rpartition(".")[0] for name in adapted}
+    is_2d = lambda p: len(getattr(p, "ds_shape", p.shape)) == 2  # a ZeRO-3 partitioned parameter's full shape
+    for parent in sorted(parents):
+        for child_name, child in model.get_submodule(parent).named_children():
+            name = f"{parent}.{child_name}"
+            if name in adapted:
+                params = [child.base_layer.weight, child.lora_A[ADAPTER].weight, child.lora_B[ADAPTER].weight]
+            elif isinstance(getattr(child, "weight", None), torch.nn.Parameter) and is_2d(child.weight) and \
+                    not isinstance(child, torch.nn.Embedding):
+                params = [child.weight]
+            else:
+                continue
+            partitioned = [p for p in params if hasattr(p, "ds_id")]
+            with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
+                weight = dequantized(params[0], model.dtype).detach()
+                if name in adapted:
+                    weight = merged_weight(weight, params[1].detach(), params[2].detach(), child.scaling[ADAPTER],
+                                           child.fan_in_fan_out)
+                elif partitioned:
+                    weight = weight.clone()  # the gathered tensor is freed when the context ends
+            yield name.removeprefix(PEFT_PREFIX) + ".weight", weight

@@ -102,6 +102,32 @@ def test_target_modules_the_model_lacks_are_named_with_the_ones_it_has(model_dir
     assert lora.wrap(model, lora_args(lora_rank=0)) is model
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft's, about the refused embedding
+def test_the_weight_sync_sends_each_adapted_layer_merged_with_the_linear_layers_beside_it(model_dir):
+    """vLLM fuses q/k/v and gate/up into one weight, rebuilt from what a sync sends: adapters on q_proj and v_proj
+    alone left k's rows of qkv_proj uninitialised. An adapter on an embedding is refused: merging and the sync read
+    lora_A/lora_B only, and it would have been dropped from both."""
+    torch.manual_seed(0)
+    model = lora.wrap(AutoModelForCausalLM.from_pretrained(model_dir), lora_args(target_modules="q_proj,gate_proj"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    merged = lora.merged_state_dict({k: v.clone() for k, v in model.state_dict().items()}, model)
+    sent = dict(lora.iter_merged_params(model))
+    layers = AutoModelForCausalLM.from_pretrained(model_dir).config.num_hidden_layers
+    expected = {f"model.layers.{i}.{block}.{layer}.weight" for i in range(layers) for block, names in
+                (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj",
+                                                                                  "down_proj"))) for layer in names}
+    assert set(sent) == expected
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, merged[name])
+    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
+                           model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight)  # merged
+    with pytest.raises(UserError, match="--target_modules embed_tokens,q_proj: embed_tokens is not a linear layer"):
+        lora.wrap(AutoModelForCausalLM.from_pretrained(model_dir), lora_args(target_modules="embed_tokens,q_proj"))
+
+
 def test_a_base_model_with_a_quantizer_is_saved_as_the_merged_weights(model_dir, tmp_path):
     """A QLoRA run's base model carries bitsandbytes' quantizer, and transformers' save_pretrained then wrote the
     model's own 4-bit state dict, ignoring the merged one it was given: from_pretrained initialised every adapted
