@@ -430,6 +430,17 @@ def test_loss_aggregations_worked_by_hand():
         aggregate(loss, mask, "sum")
 
 
+def test_the_kl_metric_the_adaptive_controller_steers_by_leaves_out_filtered_responses():
+    """Four responses with a per-token KL of 0.5, two of them taken out by --overlong_filter: the KL is 0.5, not
+    0.25, or the controller would lower beta for no reason."""
+    args = SimpleNamespace(kl_estimator="k1")
+    ref_logprobs = torch.zeros(4, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0] * 5, [0] * 5])
+    batch = {"ref_logprobs": ref_logprobs, "vllm_logprobs": ref_logprobs}
+    metrics = ppo_ray.old_logprob_metrics(args, ref_logprobs + 0.5, batch, mask)
+    assert metrics["objective/kl"].item() == pytest.approx(0.5)
+
+
 def test_a_response_with_no_masked_token_counts_in_no_mean():
     """--overlong_filter zeroes a truncated response's mask: the loss is the one of the batch without it."""
     loss = torch.tensor([[4.0, 9.0, 9.0], [1.0, 1.0, 1.0], [5.0, 5.0, 5.0]])
