@@ -252,6 +252,8 @@ def main(args: Args):
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
+    data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "pairs",
+                         lambda msg: print_rank0(launcher_rank, msg))
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
 
     rank, world_size, local_rank = init_distributed()
@@ -283,6 +285,7 @@ def main(args: Args):
     bar = progress(total_steps, rank, "dpo", initial=start_step)
     for step in range(start_step, total_steps):
         epoch = step // steps_per_epoch
+        lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch)[step % steps_per_epoch]
         names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "chosen_logps", "rejected_logps", "pairs",
@@ -315,7 +318,7 @@ def main(args: Args):
                    "rewards/chosen": chosen_mean, "rewards/rejected": rejected_mean,
                    "rewards/margins": chosen_mean - rejected_mean,
                    "logps/chosen": total["chosen_logps"] / pairs, "logps/rejected": total["rejected_logps"] / pairs,
-                   "train/lr": engine.get_lr()[0], "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds,
+                   "train/lr": lr, "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds,
                    "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))

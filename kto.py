@@ -265,6 +265,8 @@ def main(args: Args):
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
+    data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "samples",
+                         lambda msg: print_rank0(launcher_rank, msg))
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
 
     rank, world_size, local_rank = init_distributed()
@@ -301,6 +303,7 @@ def main(args: Args):
     bar = progress(total_steps, rank, "kto", initial=start_step)
     for step in range(start_step, total_steps):
         epoch = step // steps_per_epoch
+        lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch)[step % steps_per_epoch]
         names = ("loss", "kl", "correct", "chosen_rewards", "chosen_logps", "chosen", "rejected_rewards",
@@ -335,7 +338,7 @@ def main(args: Args):
                    "rewards/accuracies": total["correct"] / samples_seen,
                    "rewards/margins": total["chosen_rewards"] / chosen - total["rejected_rewards"] / rejected,
                    "logps/chosen": total["chosen_logps"] / chosen, "logps/rejected": total["rejected_logps"] / rejected,
-                   "objective/kl": total["kl"] / total["micro_batches"], "train/lr": engine.get_lr()[0],
+                   "objective/kl": total["kl"] / total["micro_batches"], "train/lr": lr,
                    "train/epoch": epoch, "perf/samples_per_sec": samples_seen / seconds,
                    "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:

@@ -694,6 +694,7 @@ class ActorWorker(ReferenceWorker):
         micro_batches_per_step = args.max_epochs * -(-len(experience["input_ids"]) // args.micro_train_batch_size)
         self.use_cpu_threads("train")
         self.engine.train()
+        lr = self.engine.get_lr()[0]  # the rate of this fit's first update; the scheduler moves on after each
         on_policy = []  # old_logprob_metrics of each micro-batch, where the update makes the old log-probs itself
         for epoch in range(args.max_epochs):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
@@ -725,7 +726,7 @@ class ActorWorker(ReferenceWorker):
                 stats.append([loss.item(), clipfrac.item(), approx_kl.item(), mean_entropy.item()])
         mean = torch.tensor(stats).mean(0)
         return {"policy/loss": mean[0], "policy/clipfrac": mean[1], "policy/approxkl": mean[2],
-                "objective/entropy": mean[3], "policy/lr": self.engine.get_lr()[0],
+                "objective/entropy": mean[3], "policy/lr": lr,
                 **{k: torch.stack([m[k] for m in on_policy]).mean().cpu() for k in (on_policy[:1] or [{}])[0]}}
 
     @torch.no_grad()
@@ -810,6 +811,7 @@ class CriticWorker(ScalarHeadWorker):
         args, stats = self.args, []
         self.use_cpu_threads("train")
         self.engine.train()
+        lr = self.engine.get_lr()[0]  # the rate of this fit's first update
         for epoch in range(args.max_epochs):
             for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
                 values = self._values(mb)
@@ -817,7 +819,7 @@ class CriticWorker(ScalarHeadWorker):
                 self.engine.backward(loss)
                 self.engine.step()
                 stats.append(loss.item())
-        return {"critic/value_loss": sum(stats) / len(stats), "critic/lr": self.engine.get_lr()[0]}
+        return {"critic/value_loss": sum(stats) / len(stats), "critic/lr": lr}
 
 
 # ------------------------------------------------------------------------------------------- driver: setup

@@ -232,6 +232,7 @@ def main(args: Args):
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
+    data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "pairs", log)
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
 
     rank, world_size, local_rank = init_distributed()
@@ -255,6 +256,7 @@ def main(args: Args):
     bar = progress(total_steps, rank, "rm", initial=start_step)
     for step in range(start_step, total_steps):
         epoch = step // steps_per_epoch
+        lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch)[step % steps_per_epoch]
         names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "pairs")  # sums over this step's pairs
@@ -275,7 +277,7 @@ def main(args: Args):
         metrics = {"train/loss": total["loss"] / pairs, "rewards/accuracies": total["correct"] / pairs,
                    "rewards/chosen": chosen_mean, "rewards/rejected": rejected_mean,
                    "rewards/margins": chosen_mean - rejected_mean,
-                   "train/lr": engine.get_lr()[0], "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds}
+                   "train/lr": lr, "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds}
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics.update(evaluate(engine, eval_samples, args, tokenizer, rank, world_size))
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:

@@ -190,6 +190,8 @@ def main(args: Args):
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
+    data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "samples",
+                         lambda msg: print_rank0(launcher_rank, msg))
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
 
     rank, world_size, local_rank = init_distributed()
@@ -213,6 +215,7 @@ def main(args: Args):
     bar = progress(total_steps, rank, "sft", initial=start_step)
     for step in range(start_step, total_steps):
         epoch = step // steps_per_epoch
+        lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch)[step % steps_per_epoch]
         start, stats = time.time(), torch.zeros(3, device=device())  # (loss sum, micro-batches, real tokens)
@@ -224,7 +227,7 @@ def main(args: Args):
             real_tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
             stats += torch.tensor([loss.item(), 1, real_tokens], device=stats.device)
         dist.all_reduce(stats)
-        metrics = {"train/loss": stats[0] / stats[1], "train/lr": engine.get_lr()[0], "train/epoch": epoch,
+        metrics = {"train/loss": stats[0] / stats[1], "train/lr": lr, "train/epoch": epoch,
                    "perf/tokens_per_sec": stats[2] / (time.time() - start)}
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size)

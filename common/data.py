@@ -309,6 +309,16 @@ def pack_collate(samples: list[dict], keys=("input_ids", "loss_mask")) -> dict[s
     return batch
 
 
+def report_leftover(num_samples: int, train_batch_size: int, source: str, what: str, log=print) -> None:
+    """Say how many samples each epoch leaves out when they do not fill a last batch (micro_batches' order is
+    reshuffled every epoch, so a run of several epochs leaves out different ones each time)."""
+    left = num_samples % train_batch_size
+    if left:
+        log(f"{source}: each epoch trains on {num_samples - left} of the {num_samples} {what} and leaves {left} "
+            f"out, too few for another batch of --train_batch_size {train_batch_size}; the order is reshuffled every "
+            f"epoch, so each one leaves out others.")
+
+
 def micro_batches(num_samples: int, train_batch_size: int, micro_batch_size: int, world_size: int, rank: int,
                   seed: int, epoch: int) -> list[list[list[int]]]:
     """Sample indices for one epoch: a list of steps, each a list of this rank's micro-batches.

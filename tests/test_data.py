@@ -236,6 +236,14 @@ def test_a_folder_of_per_split_files_is_read_one_split_at_a_time(tmp_path):
         data.load_records(saved, "test")
 
 
+def test_the_samples_an_epoch_leaves_out_are_reported():
+    logs = []
+    data.report_leftover(63, 32, "d.jsonl", "samples", log=logs.append)
+    data.report_leftover(64, 32, "d.jsonl", "samples", log=logs.append)
+    assert len(logs) == 1 and "each epoch trains on 32 of the 63 samples and leaves 31 out" in logs[0]
+    assert len(data.micro_batches(63, 32, 8, 1, 0, seed=0, epoch=0)) == 1  # what it reports: one batch of 32
+
+
 def test_micro_batches_split_a_global_batch_across_ranks_deterministically():
     world, steps = 2, []
     for rank in range(world):
