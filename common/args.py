@@ -27,14 +27,21 @@ import typing
 
 
 def check_model_path(path: str, flag: str = "--pretrain") -> None:
-    """Fail early, in one sentence, on a model folder that is not there or holds no model ("org/name" is left to
-    the hub, which reports its own errors)."""
+    """Fail early, in one sentence, on a model folder that is not there or holds no model. A path that could be a
+    hub name ("org/name", as "out/sft" could) is left to the hub, which reports its own errors, unless the hub is
+    offline (HF_HUB_OFFLINE) and its cache does not hold that name."""
     local = os.path.expanduser(path)
     if os.path.isdir(local):
         if not os.path.isfile(os.path.join(local, "config.json")):
             raise UserError(f"{flag} {path} has no config.json; give a Hugging Face model folder.")
     elif not (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) and not path.startswith(".")):
         raise UserError(f"{flag} {path} does not exist; give a Hugging Face model folder or hub name.")
+    elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise UserError(f"{flag} {path} does not exist, and no model of that name is in the Hugging Face cache "
+                            f"(HF_HUB_OFFLINE is set); give a Hugging Face model folder.")
 
 
 # Heads whose checkpoints load as a causal LM only with a new, random output layer (a reward model saved by rm.py).

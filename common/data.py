@@ -79,8 +79,8 @@ def _split_of(file_name: str) -> str | None:
 def load_records(source: str, split: str = "train") -> list[dict]:
     """Read a dataset into a list of dicts: a file, a folder of files, a saved `datasets` dataset or a `datasets`
     name. `split` picks the split of the last two, and of a folder whose file names carry splits (train.jsonl and
-    test.jsonl, or train-00000-of-00002.parquet): only that split's files are read. A folder without such names is
-    one dataset, all its files."""
+    test.jsonl, or train-00000-of-00002.parquet): only that split's files are read, and a file named for no split
+    beside them is refused rather than left out. A folder without such names is one dataset, all its files."""
     if os.path.isfile(source):
         return _read_file(source)
     if os.path.isdir(source):
@@ -99,6 +99,11 @@ def load_records(source: str, split: str = "train") -> list[dict]:
             raise DataError(f"dataset folder {source} has no {', '.join(DATA_EXTENSIONS)} files.")
         splits = {f: _split_of(f) for f in files}
         if any(splits.values()):
+            unnamed = [f for f, name in splits.items() if name is None]
+            if unnamed:
+                raise DataError(f"dataset folder {source} mixes files named for a split ("
+                                f"{', '.join(f for f in files if splits[f])}) with others ({', '.join(unnamed)}); "
+                                f"name every file for its split, or give the files one by one.")
             files = [f for f in files if splits[f] == split]
             if not files:
                 raise DataError(f"dataset folder {source} has no file of split {split!r} (it has "

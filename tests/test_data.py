@@ -230,6 +230,10 @@ def test_a_folder_of_per_split_files_is_read_one_split_at_a_time(tmp_path):
     assert [r["p"] for r in data.load_records(str(tmp_path), "test")] == ["c"]
     with pytest.raises(data.DataError, match="has no file of split 'validation' .*--dataset_split"):
         data.load_records(str(tmp_path), "validation")
+    (tmp_path / "extra.jsonl").write_text(json.dumps({"p": "e"}) + "\n")
+    with pytest.raises(data.DataError, match=r"mixes files named for a split \(test.jsonl, .*\) with others "
+                                             r"\(extra.jsonl\)"):
+        data.load_records(str(tmp_path), "train")
     saved = str(tmp_path / "saved")
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"p": "a"}])}).save_to_disk(saved)
     with pytest.raises(data.DataError, match=r"has no split 'test'; its splits are \['train'\]"):
@@ -309,6 +313,20 @@ def test_values_no_run_means_and_abbreviated_flags_are_refused_by_the_parser(cap
         parse_args(ppo_ray.Args, ["--pretrain", "p", "--prompt_data", "d", "--micro_rollout_batch_size", "0"])
     assert "--micro_rollout_batch_size 0 must be 1 or more." in capsys.readouterr().err
     assert parse_args(ppo_ray.Args, ["--pretrain", "p", "--prompt_data", "d"]).micro_rollout_batch_size is None
+
+
+def test_a_missing_relative_model_path_that_looks_like_a_hub_name_is_one_sentence_offline(monkeypatch, tmp_path):
+    """'out/sft' is also a valid hub name: offline, with nothing of that name in the cache, it is a missing folder."""
+    from common.args import UserError, check_model_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="--pretrain out/sft does not exist, and no model of that name is in the "
+                                        "Hugging Face cache"):
+        check_model_path("out/sft")
+    (tmp_path / "out" / "sft").mkdir(parents=True)
+    (tmp_path / "out" / "sft" / "config.json").write_text("{}")
+    check_model_path("out/sft")
 
 
 def test_stream_indices_walk_every_sample_once_per_pass_and_can_be_recomputed():
