@@ -1345,8 +1345,11 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
 
 
 def main(args: Args):
-    for name in ("pretrain", "output_dir", "critic_pretrain", "ckpt_dir"):  # workers may not share our cwd
+    for name in ("pretrain", "critic_pretrain"):  # workers may not share our cwd (a hub name stays as it is)
         if getattr(args, name) and os.path.exists(getattr(args, name)):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
+    for name in ("output_dir", "ckpt_dir"):  # made by the run: relative, each node would write beside its own cwd
+        if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     args.reward_pretrain = [os.path.abspath(p) if os.path.exists(p) else p for p in args.reward_pretrain or []]
     check_args(args)

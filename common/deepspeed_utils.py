@@ -103,20 +103,24 @@ def device() -> torch.device:
 
 
 def use_bf16() -> bool:
-    """bf16 on GPUs that have it; fp32 on CPU, where bf16 matmuls are slow and tiny models lose precision."""
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    """bf16 on GPUs that compute in it (Ampere and later); fp32 on CPU, where bf16 matmuls are slow and tiny models
+    lose precision, and on older GPUs, which torch calls bf16-capable by emulation and flash-attention refuses."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def trained_zero_stage(asked: int | None, world_size: int, offload_optimizer: bool = False,
                        load_in_4bit: bool = False) -> int:
-    """The ZeRO stage of a trained model: `asked` if given, else 3, or 0 on one rank, where ZeRO has nothing to
-    partition and stage 3's hooks only cost time (a tenth of a GRPO update of a 21M model on CPU). Offloading the
-    optimizer needs stage 3 (any stage above 0); QLoRA's 4-bit weights cannot be partitioned, so it gets 2 (0 alone)."""
+    """The ZeRO stage of a trained model: `asked` if given, else 3, or on one rank 0, where ZeRO has nothing to
+    partition and stage 3's hooks only cost time (a tenth of a GRPO update of a 21M model on CPU) - 1 in bf16, the
+    lowest stage that accumulates gradients in fp32 (ds_config). Offloading the optimizer needs stage 3 (any stage
+    above 0); QLoRA's 4-bit weights cannot be partitioned, so it gets 2 (0 alone)."""
     if asked is not None:
         return asked
     if load_in_4bit:
         return 0 if world_size == 1 else 2
-    return 0 if world_size == 1 and not offload_optimizer else 3
+    if world_size == 1 and not offload_optimizer:
+        return 1 if use_bf16() else 0
+    return 3
 
 
 def gradient_accumulation_steps(train_batch_size: int, micro_batch_size: int, world_size: int) -> int:
@@ -131,9 +135,16 @@ def gradient_accumulation_steps(train_batch_size: int, micro_batch_size: int, wo
 
 def ds_config(stage: int, train_batch_size: int, micro_batch_size: int, world_size: int, grad_clip: float = 1.0,
               offload_optimizer: bool = False, offload_params: bool = False, train: bool = True) -> dict:
-    """A DeepSpeed config for ZeRO stage 0-3. `train=False` gives the config of a frozen (reference) model."""
+    """A DeepSpeed config for ZeRO stage 0-3. `train=False` gives the config of a frozen (reference) model.
+
+    In bf16 a trained model's gradients accumulate over micro-batches in fp32 from stage 1 up; DeepSpeed's default
+    is the model's dtype, whose 8-bit mantissa loses the small micro-batches' share of a sum. Stage 0 cannot
+    (DeepSpeed raises NotImplementedError for it) and accumulates in bf16."""
     if stage not in (0, 1, 2, 3):
         raise UserError(f"--zero_stage must be 0, 1, 2 or 3, got {stage}.")
+    if offload_optimizer and train and stage == 0:
+        raise UserError("--offload_optimizer keeps the optimizer's state in CPU memory, which ZeRO does from stage 1 "
+                        "up; give --zero_stage 1, 2 or 3, or leave --offload_optimizer out.")
     offload = lambda on: {"device": "cpu", "pin_memory": torch.cuda.is_available()} if on else {"device": "none"}
     zero = {
         "stage": stage,
@@ -156,6 +167,8 @@ def ds_config(stage: int, train_batch_size: int, micro_batch_size: int, world_si
     }
     if not train:
         del config["gradient_clipping"]
+    elif use_bf16() and stage > 0:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 
@@ -286,8 +299,8 @@ def init_train_engine(model, config: dict, lr: float, weight_decay: float, total
         # With no ZeRO, DeepSpeed averages the gradients over the ranks at every optimizer step by flattening them
         # into one buffer, all-reducing it, scaling it and copying it back, on one rank too, where the average is
         # the gradient itself: four passes over the model's bytes (a GRPO update of a 21M model on CPU, 16 rows:
-        # 0.62 -> 0.59 s). The flag is the one DeepSpeed clears itself when it has no process group to reduce over;
-        # under bf16 its BF16_Optimizer gathers the fp32 gradients in backward_epilogue, which runs either way.
+        # 0.62 -> 0.59 s). The flag is the one DeepSpeed clears itself when it has no process group to reduce over.
+        # (In bf16 one rank gets stage 1 unless --zero_stage 0 asks otherwise: trained_zero_stage.)
         engine.enable_backward_allreduce = False
     # from_pretrained hands the model over in eval mode, and only an evaluation's engine.train() switched it: until
     # then SFT trained without its dropout and --gradient_checkpointing checkpointed nothing (transformers

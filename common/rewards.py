@@ -117,7 +117,8 @@ def load_reward_model(path: str, flag: str = "--reward_pretrain", device: str | 
         raise UserError(f"{flag} {path} is a {what}, not a reward model; give a model saved by rm.py (a sequence "
                         f"classifier with one output).")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) \
+        else torch.float32
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
     if tokenizer.pad_token is None:  # many tokenizers ship without one; padding is always masked out
         tokenizer.pad_token = tokenizer.eos_token

@@ -65,6 +65,36 @@ def test_flash_attention_only_in_half_precision(monkeypatch):
     assert deepspeed_utils.attention_implementation(torch.bfloat16) == "sdpa"
 
 
+def test_bf16_only_where_the_gpu_computes_in_it(monkeypatch):
+    """torch calls a V100 or T4 bf16-capable by emulation; bf16 there, with flash-attention, failed at the first
+    forward ("FlashAttention only supports Ampere GPUs or newer")."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: asked.append(
+        including_emulation) or including_emulation)  # a pre-Ampere GPU: by emulation only
+    assert not deepspeed_utils.use_bf16() and asked == [False]
+
+
+def test_bf16_gradients_accumulate_in_fp32(monkeypatch):
+    """DeepSpeed accumulates micro-batches' gradients in the model's dtype unless told otherwise: in bf16, over the
+    8 micro-batches of the 8B PPO layout, the small ones' share of the sum was lost. Stage 0 cannot accumulate in
+    fp32 (DeepSpeed raises), so a one-rank role in bf16 gets stage 1; --offload_optimizer with --zero_stage 0 built
+    the CPU optimizer for GPU parameters."""
+    monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: True)
+    for stage in (1, 2, 3):
+        assert deepspeed_utils.ds_config(stage, 32, 4, 1)["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in deepspeed_utils.ds_config(0, 32, 4, 1)
+    assert "data_types" not in deepspeed_utils.ds_config(3, 32, 4, 1, train=False)  # a frozen model: no gradients
+    assert deepspeed_utils.trained_zero_stage(None, 1) == 1
+    assert deepspeed_utils.trained_zero_stage(None, 4) == 3 and deepspeed_utils.trained_zero_stage(0, 1) == 0
+    monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: False)  # CPU: fp32, nothing to ask
+    assert deepspeed_utils.trained_zero_stage(None, 1) == 0
+    assert "data_types" not in deepspeed_utils.ds_config(3, 8, 4, 1)
+    with pytest.raises(deepspeed_utils.UserError, match="--offload_optimizer keeps the optimizer's state in CPU "
+                                                        "memory, which ZeRO does from stage 1 up"):
+        deepspeed_utils.ds_config(0, 32, 4, 1, offload_optimizer=True)
+
+
 def test_experience_forwards_use_the_rollout_micro_batch():
     worker = policy_worker(micro_train_batch_size=2, micro_rollout_batch_size=4)
     assert worker.logprobs(batch(rows=8)).shape == (8, 5)
