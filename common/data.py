@@ -170,6 +170,12 @@ def check_input_template(template: str) -> None:
                         f"'Question: {{}} Answer: ' (write {{{{ and }}}} for a literal brace).")
 
 
+def check_one_template(apply_chat_template: bool, input_template: str | None) -> None:
+    """A DataError when both are given: the chat template would render the prompt and the input template be dropped."""
+    if apply_chat_template and input_template is not None:
+        raise DataError("--apply_chat_template and --input_template both say how to render a prompt; give one.")
+
+
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return the text and the character spans of the assistant turns.
 
@@ -196,6 +202,7 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
 
 def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: str | None) -> str:
     """The text a model is asked to continue: used by generation and by every prompt/response pair."""
+    check_one_template(apply_chat_template, input_template)
     if apply_chat_template:
         check_chat_template(tokenizer)
         return tokenizer.apply_chat_template(as_messages(prompt), tokenize=False, add_generation_prompt=True)
@@ -215,6 +222,7 @@ def render_pair(tokenizer, prompt, response: str, apply_chat_template: bool, inp
 
     A prompt given as a conversation may hold earlier assistant turns: they are context, and only the new response's
     span is returned."""
+    check_one_template(apply_chat_template, input_template)
     if apply_chat_template:
         text, spans = render_chat(tokenizer, as_messages(prompt) + [{"role": "assistant", "content": response}])
         return text, spans[-1:]

@@ -109,6 +109,8 @@ def test_templates_and_rows_that_would_train_on_the_wrong_text_are_one_sentence(
         build(tokenizer, [{"messages": [{"role": "user", "content": "hi"}]}], input_key="messages")
     with pytest.raises(data.DataError, match="a prompt must be text .*got int '7'"):
         build(tokenizer, [{"prompt": 7, "response": "5"}])
+    with pytest.raises(data.DataError, match="--apply_chat_template and --input_template both say how to render"):
+        build(tokenizer, rows, apply_chat_template=True, input_template="Q: {} A:")
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
     with pytest.raises(data.DataError, match="the tokenizer has no chat template .* give --input_template instead"):
