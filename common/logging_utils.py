@@ -35,7 +35,9 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            # purge_step: TensorBoard also drops the events of the steps this run writes again (a resumed run's after
+            # its checkpoint, every step of a fresh run in a reused folder), which it would show beside the new ones.
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=resume_step + 1)
         except ImportError:
             pass
         if use_wandb:

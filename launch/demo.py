@@ -28,6 +28,7 @@ import platform
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -121,7 +122,10 @@ def machine() -> str:
     if os.path.exists("/proc/cpuinfo"):
         names = re.findall(r"model name\s*:\s*(.+)", open("/proc/cpuinfo").read())
         cpu = names[0].strip() if names else cpu
-    return f"{os.cpu_count()}-core {cpu}, no GPU"
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{len(os.sched_getaffinity(0))}-core {cpu}, {gpu}"
 
 
 def update_docs(block: str) -> list[str]:
@@ -191,6 +195,8 @@ def main():
     plot_ppo(os.path.join(d["ppo"], "metrics.jsonl"), os.path.join(out, "ppo_curves.png"))
     ppo_scores = [json.loads(line)["objective/scores"] for line in open(os.path.join(d["ppo"], "metrics.jsonl"))
                   if "objective/scores" in line]
+    window = max(1, min(4, len(ppo_scores) // 2))  # first and last steps, apart even in a short run
+    first, last = statistics.mean(ppo_scores[:window]), statistics.mean(ppo_scores[-window:])
 
     table = ["| model | accuracy: training problems | answered with a number | mean reward-model score | "
              "accuracy: held-out problems |", "|---|---|---|---|---|"]
@@ -200,8 +206,8 @@ def main():
         *table, "",
         "Greedy answers to 200 training problems and, in the last column, to 200 held-out problems, whose operand "
         f"pairs no stage trained on. Reward model: {last_metric(d['rm'], 'eval/accuracy'):.1%} "
-        f"of held-out pairs ranked right (chance 50%). PPO rollouts' mean reward: {sum(ppo_scores[:4]) / 4:.3f} "
-        f"over the first 4 steps, {sum(ppo_scores[-4:]) / 4:.3f} over the last 4. Implicit reward: "
+        f"of held-out pairs ranked right (chance 50%). PPO rollouts' mean reward: {first:.3f} over the first {window} "
+        f"steps, {last:.3f} over the last {window}. Implicit reward: "
         f"{last_metric(d['dpo'], 'eval/rewards/accuracies'):.1%} of held-out pairs ranked right (DPO), "
         f"{last_metric(d['kto'], 'eval/rewards/accuracies'):.1%} of held-out responses on the right side of 0 (KTO).",
     ])
