@@ -48,8 +48,8 @@ def run(cmd: list[str], log_path: str) -> None:
 
 
 def sft_model(args: Args, task: dict) -> str:
-    """The test suite's SFT model (tests/conftest.py: sft_model), trained once into --out."""
-    out = os.path.join(args.out, "sft")
+    """The test suite's SFT model (tests/conftest.py: sft_model), trained once per --seed into --out."""
+    out = os.path.join(args.out, f"sft_seed{args.seed}")  # another seed's task needs its own SFT
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     from common.tiny_model import write_tiny_model
