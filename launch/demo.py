@@ -196,6 +196,9 @@ def main():
     ppo_scores = [json.loads(line)["objective/scores"] for line in open(os.path.join(d["ppo"], "metrics.jsonl"))
                   if "objective/scores" in line]
     window = max(1, min(4, len(ppo_scores) // 2))  # first and last steps, apart even in a short run
+    from common.data import load_records
+
+    distinct = lambda name: len({json.dumps(r["prompt"]) for r in load_records(task(name))[:200]})
     first, last = statistics.mean(ppo_scores[:window]), statistics.mean(ppo_scores[-window:])
 
     table = ["| model | accuracy: training problems | answered with a number | mean reward-model score | "
@@ -204,8 +207,9 @@ def main():
               for name, m, h in rows]
     results = "\n".join([
         *table, "",
-        "Greedy answers to 200 training problems and, in the last column, to 200 held-out problems, whose operand "
-        f"pairs no stage trained on. Reward model: {last_metric(d['rm'], 'eval/accuracy'):.1%} "
+        f"Greedy answers to 200 training problems ({distinct('prompts_train')} distinct) and, in the last column, to "
+        f"200 held-out problems ({distinct('prompts_eval')} distinct: the task draws them with replacement), whose "
+        f"operand pairs no stage trained on. Reward model: {last_metric(d['rm'], 'eval/accuracy'):.1%} "
         f"of held-out pairs ranked right (chance 50%). PPO rollouts' mean reward: {first:.3f} over the first {window} "
         f"steps, {last:.3f} over the last {window}. Implicit reward: "
         f"{last_metric(d['dpo'], 'eval/rewards/accuracies'):.1%} of held-out pairs ranked right (DPO), "
