@@ -529,25 +529,19 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     experience.update(values=values, advantages=advantages, returns=returns)
     metrics.update({
         "objective/scores": scores.mean(), "objective/advantages": tricks.masked_mean(advantages, mask),
-        "objective/returns": per_response_mean(returns.gather(1, mask.float().argmax(-1, keepdim=True))[:, 0], mask),
+        "objective/returns": tricks.response_mean(returns.gather(1, mask.float().argmax(-1, keepdim=True))[:, 0],
+                                                  mask),
         "response/length": lengths.float().mean(),
         "response/truncated": sum(s["finish_reason"] == "length" for group in samples for s in group) / rows})
     return experience, metrics
-
-
-def per_response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean of one value per response, (batch,), over the responses with a masked token: --overlong_filter's
-    empty ones count for nothing (the KL the adaptive controller steers by came out diluted by them)."""
-    has_tokens = mask.bool().any(-1)
-    return torch.where(has_tokens, values, 0.0).sum() / has_tokens.sum().clamp(min=1)
 
 
 def old_logprob_metrics(args: Args, old_logprobs: torch.Tensor, batch: dict, mask: torch.Tensor) -> dict:
     """The KL to the reference (its per-sequence mean, averaged) and vLLM's log-prob error, from the log-probs of
     the policy that sampled the batch: made with the experience, or by an on-policy update (update_is_on_policy)."""
     ref_logprobs = batch.get("ref_logprobs", old_logprobs)
-    kl = per_response_mean(tricks.masked_mean(tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator), mask,
-                                              dim=-1), mask)
+    kl = tricks.kl_penalty(old_logprobs, ref_logprobs, args.kl_estimator)
+    kl = tricks.response_mean(tricks.masked_mean(kl, mask, dim=-1), mask)  # filtered responses would dilute it
     return {"objective/kl": kl,
             "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask)}
 

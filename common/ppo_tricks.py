@@ -47,6 +47,13 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, whitened, 0.0)
 
 
+def response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of one value per response, (batch,), over the responses with a masked token: one --overlong_filter
+    took out counts for nothing."""
+    has_tokens = mask.bool().any(-1)
+    return torch.where(has_tokens, values, 0.0).sum() / has_tokens.sum().clamp(min=1)
+
+
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 1) -> torch.Tensor:
     """A per-token loss (batch, seq) as one number, by how much each token and each sequence weighs.
 
@@ -60,13 +67,12 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 
     A sequence with no masked token (one --overlong_filter took out) is not counted in a mean over sequences.
     """
     mask = mask.bool()
-    sequences = mask.any(-1).sum().clamp(min=1)
     if mode == "token-mean":
         return masked_mean(loss, mask)
     if mode == "seq-mean-token-mean":
-        return masked_mean(loss, mask, dim=-1).sum() / sequences
+        return response_mean(masked_mean(loss, mask, dim=-1), mask)
     if mode == "seq-mean-token-sum-norm":
-        return torch.where(mask, loss, 0.0).sum() / max_len / sequences
+        return response_mean(torch.where(mask, loss, 0.0).sum(-1) / max_len, mask)
     raise ValueError(f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
                      f"'seq-mean-token-sum-norm'.")
 
