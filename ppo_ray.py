@@ -954,7 +954,7 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
         max_model_len=args.prompt_max_len + args.generate_max_len, placement_group=shared,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
-        dtype="auto" if use_gpus() else "float32", enforce_eager=not use_gpus(),
+        enforce_eager=not use_gpus(),
         logprobs_mode="processed_logprobs", wait_until_ready=False)
     warm_up = [engine.warm_up.remote() for engine in engines]  # each runs once its engine has started
     engine_sleep = SleepSchedule(engines, enabled=args.colocate_all)  # a recorded no-op where vLLM cannot sleep

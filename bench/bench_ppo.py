@@ -95,6 +95,7 @@ def generation_limit(model_dir: str, prompts_file: str, settings: dict):
     from transformers import AutoTokenizer
 
     from common.data import load_records, render_prompt
+    from common.vllm_engine import trainer_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     n_prompts = settings["rollout_batch_size"]
@@ -103,7 +104,7 @@ def generation_limit(model_dir: str, prompts_file: str, settings: dict):
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     gpu = torch.cuda.is_available()
     llm = vllm.LLM(model=model_dir, seed=42, max_model_len=PROMPT_MAX_LEN + settings["generate_max_len"],
-                   dtype="auto" if gpu else "float32", enforce_eager=not gpu, logprobs_mode="processed_logprobs")
+                   dtype=trainer_dtype(gpu), enforce_eager=not gpu, logprobs_mode="processed_logprobs")
     params = vllm.SamplingParams(n=settings["n_samples_per_prompt"], temperature=1.0,
                                  max_tokens=settings["generate_max_len"], logprobs=0)
     rates, lengths = [], []

@@ -42,11 +42,25 @@ ENGINE_START_TIMEOUT_S = 1800
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
 
+def trainer_dtype(use_gpu: bool) -> str:
+    """The precision the trainers compute in (common/deepspeed_utils.use_bf16), as vLLM names it: bfloat16 on GPUs
+    that compute in it (compute capability 8.0 and up), float32 on older GPUs and on CPU.
+
+    vLLM's own "auto" keeps a float16 checkpoint in float16 and turns a float32 one into bfloat16, on CPU too: the
+    engines sampled with log-probs of another precision than the update's, and every sync rounded the trainer's
+    weights. Asked through vLLM's platform, which reads the GPU over NVML, so that the driver of a tensor-parallel
+    engine, which holds no GPU itself, gets its workers' answer without starting CUDA."""
+    if not use_gpu:
+        return "float32"
+    from vllm.platforms import current_platform
+    return "bfloat16" if current_platform.has_device_capability(80) else "float32"
+
+
 class VLLMEngine:
     """One vLLM `LLM` inside a Ray actor; create it through `create_vllm_engines`."""
 
     def __init__(self, pretrain_path: str, seed: int, max_model_len: int, tensor_parallel_size: int,
-                 gpu_memory_utilization: float, enforce_eager: bool, dtype: str, enable_sleep_mode: bool,
+                 gpu_memory_utilization: float, enforce_eager: bool, dtype: str | None, enable_sleep_mode: bool,
                  use_gpu: bool, bundle_indices: list[int] | None, llm_kwargs: dict):
         # The engine core runs in this process: a vLLM subprocess would escape Ray's resource accounting.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -58,6 +72,7 @@ class VLLMEngine:
         import vllm
 
         self.use_gpu = use_gpu
+        self.dtype = dtype or trainer_dtype(use_gpu)
         self.enable_sleep_mode = enable_sleep_mode
         self.memory_log: list[tuple] = []
         self._tensor_parallel_size = tensor_parallel_size
@@ -69,7 +84,7 @@ class VLLMEngine:
             distributed_executor_backend="ray" if tensor_parallel_size > 1 else None,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
-            dtype=dtype,
+            dtype=self.dtype,
             enable_sleep_mode=enable_sleep_mode,
             worker_extension_cls=WORKER_EXTENSION,
             **llm_kwargs,
@@ -257,7 +272,7 @@ def _check_resources(kind: str, needed: float, what: str) -> None:
 
 def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_path: str, seed: int,
                         max_model_len: int, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
-                        placement_group=None, dtype: str = "auto", enable_sleep_mode: bool = False,
+                        placement_group=None, dtype: str | None = None, enable_sleep_mode: bool = False,
                         num_cpus_per_engine: int = 1, cpu_threads_per_engine: int | None = None,
                         wait_until_ready: bool = True, **llm_kwargs) -> list:
     """Start `num_engines` engines (engine i seeded with seed + i) and return their Ray actor handles, all ready.
@@ -268,12 +283,14 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     GPU when the Ray cluster has GPUs, CPU otherwise. `placement_group`, if given, must hold
     num_engines * tensor_parallel_size GPU bundles; it is taken to be shared with the trainer, so each vLLM worker
     asks for COLOCATED_GPU_SHARE of its GPU (use enable_sleep_mode to hand memory back during training).
-    Without one, the engines get a placement group of their own. On CPU, `gpu_memory_utilization` is ignored:
-    VLLM_CPU_KVCACHE_SPACE (GiB, default 1) sizes the KV cache, and each engine computes with
-    `cpu_threads_per_engine` threads, by default OMP_NUM_THREADS if set, else this machine's cores shared among
-    the engines: the engines generate
-    while the trainers wait, and Ray would otherwise hold each engine to `num_cpus_per_engine` threads (1 by default),
-    which made rollouts of a 100M model 1.6x slower on 2 cores. Extra keyword arguments go to `vllm.LLM`.
+    Without one, the engines get a placement group of their own. `dtype` None generates in the precision the
+    trainers compute in (trainer_dtype), so that the log-probs vLLM samples with are the ones the update recomputes.
+
+    On CPU, `gpu_memory_utilization` is ignored: VLLM_CPU_KVCACHE_SPACE (GiB, default 1) sizes the KV cache, and
+    each engine computes with `cpu_threads_per_engine` threads, by default OMP_NUM_THREADS if set, else this
+    machine's cores shared among the engines: the engines generate while the trainers wait, and Ray would otherwise
+    hold each engine to `num_cpus_per_engine` threads (1 by default), which made rollouts of a 100M model 1.6x
+    slower on 2 cores. Extra keyword arguments go to `vllm.LLM`.
     """
     if not ray.is_initialized():
         raise UserError("create_vllm_engines needs Ray: call ray.init() first.")

@@ -75,6 +75,21 @@ def test_bf16_only_where_the_gpu_computes_in_it(monkeypatch):
     assert not deepspeed_utils.use_bf16() and asked == [False]
 
 
+@pytest.mark.parametrize("capability, dtype", [(70, "float32"), (75, "float32"), (80, "bfloat16"), (90, "bfloat16")])
+def test_vllm_generates_in_the_trainers_precision(monkeypatch, capability, dtype):
+    """vLLM's dtype "auto" kept a float16 checkpoint (Llama-2, Pythia) in float16 while the trainers computed in
+    bfloat16, and on a V100 or T4 generated in float16 against fp32 trainers: the engines now take the trainers'."""
+    from vllm.platforms import current_platform
+
+    from common.vllm_engine import trainer_dtype
+    monkeypatch.setattr(current_platform, "has_device_capability", lambda asked, device_id=0: capability >= asked)
+    assert trainer_dtype(use_gpu=True) == dtype
+    assert trainer_dtype(use_gpu=False) == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the trainers' own rule agrees
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= 80)
+    assert deepspeed_utils.use_bf16() == (dtype == "bfloat16")
+
+
 def test_bf16_gradients_accumulate_in_fp32(monkeypatch):
     """DeepSpeed accumulates micro-batches' gradients in the model's dtype unless told otherwise: in bf16, over the
     8 micro-batches of the 8B PPO layout, the small ones' share of the sum was lost. Stage 0 cannot accumulate in

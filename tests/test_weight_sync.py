@@ -37,14 +37,15 @@ ROUNDING_LEVEL = 1e-4
 
 @pytest.fixture(scope="module", params=["llama", "qwen2_tied", "llama over gloo"])
 def stack(request, tiny_model, tmp_path_factory):
-    """Ray with 2 CPUs, one float32 vLLM engine on a tiny model variant, and the weight-sync group: over shared
+    """Ray with 2 CPUs, one vLLM engine in its default precision (the trainers': float32 on CPU) on a tiny model
+    variant, and the weight-sync group: over shared
     memory, as an engine on the trainer's host gets its weights, or over gloo, as one on another host does."""
     path = write_tiny_model(str(tmp_path_factory.mktemp("qwen2_tied")), seed=0, architecture="qwen2",
                             tie_word_embeddings=True) if request.param == "qwen2_tied" else tiny_model
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         engines = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain_path=path, seed=0,
-                                      max_model_len=256, enforce_eager=True, dtype="float32")
+                                      max_model_len=256, enforce_eager=True)
         transport = "gloo" if request.param.endswith("gloo") else "shm"
         group = init_weight_sync_group(engines, shared_memory=transport == "shm")
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -176,11 +177,20 @@ def test_small_buckets_give_the_same_weights_as_one_bucket(stack):
     assert vllm_greedy(engine, prompts) == reference
 
 
+def test_engine_generates_in_the_trainers_precision(stack):
+    """vLLM's own dtype "auto" turns a float32 checkpoint into bfloat16, on CPU too (and keeps a float16 one in
+    float16 on GPUs, where the trainers compute in bfloat16): the engines default to the trainers' precision."""
+    engine_dtype = lambda engine: str(engine.llm.llm_engine.model_config.dtype)
+    assert ray.get(stack["engines"][0].__ray_call__.remote(engine_dtype)) == "torch.float32"
+
+
 def test_sleep_and_wake_up_do_nothing_on_cpu(stack):
+    """On CPU vLLM has no sleep mode: the engine keeps its weights and answers as before."""
     engine, prompts = stack["engines"][0], stack["prompts"]
+    before = vllm_greedy(engine, prompts)
     ray.get(engine.sleep.remote())
     ray.get(engine.wake_up.remote())
-    assert len(vllm_greedy(engine, prompts)[0]) == len(prompts)
+    assert vllm_greedy(engine, prompts) == before
 
 
 class CacheFreeingTrainers:
