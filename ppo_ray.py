@@ -66,8 +66,8 @@ from transformers import AutoModelForSequenceClassification
 
 from common import lora, memory_plan, multi_turn, rewards
 from common import ppo_tricks as tricks
-from common.args import (Interrupted, UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir,
-                         parse_args, run_main, stop_on_sigterm)
+from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
+                         check_output_dir, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
                                save_train_state, write_atomically)
 from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
@@ -905,6 +905,7 @@ def check_args(args: Args) -> None:
             ("--critic_pretrain", args.critic_pretrain)]:
         if path:
             check_model_path(path, flag)
+            check_decoder_only(path, flag)
             check_lengths(path, *sequence, flag)
 
 

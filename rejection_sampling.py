@@ -63,8 +63,8 @@ import ray
 import torch
 
 from common import data, rewards
-from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, model_max_len,
-                         parse_args, run_main, stop_on_sigterm)
+from common.args import (UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
+                         check_output_dir, model_max_len, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import SaveFailed, describe, write_atomically
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import MetricsLogger, progress
@@ -221,6 +221,7 @@ def check_args(args: Args) -> None:
     check_lengths(args.pretrain, "--max_model_len", args.max_model_len, "--max_model_len")
     for path in args.reward_pretrain:
         check_model_path(path, "--reward_pretrain")
+        check_decoder_only(path, "--reward_pretrain")
         check_lengths(path, "--max_model_len", args.max_model_len, "--max_model_len", "--reward_pretrain")
     if args.generate_max_len >= args.max_model_len:
         raise UserError(f"--generate_max_len {args.generate_max_len} leaves no room for a prompt in --max_model_len "

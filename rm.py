@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 from common import checkpoint, data, lora
-from common.args import UserError, check_lengths, check_model_path, check_output_dir, parse_args, run_main
+from common.args import (UserError, check_decoder_only, check_lengths, check_model_path, check_output_dir, parse_args,
+                         run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
@@ -203,6 +204,7 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
 
 def main(args: Args):
     check_model_path(args.pretrain)
+    check_decoder_only(args.pretrain)  # the reward is read at the last token
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
     lora.check_args(args)
@@ -242,7 +244,10 @@ def main(args: Args):
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
     model = load_model(args.pretrain, config, AutoModelForSequenceClassification, args.gradient_checkpointing,
-                       num_labels=1, pad_token_id=tokenizer.pad_token_id, **lora.load_kwargs(args))
+                       num_labels=1, **lora.load_kwargs(args))
+    # Set after the model is built: given to from_pretrained, it would become the embeddings' padding_idx, a row that
+    # never gets a gradient, and where the EOS was the pad, that is now the BOS every row starts with.
+    model.config.pad_token_id = tokenizer.pad_token_id  # transformers' own pooling reads the last non-pad token
     model = lora.wrap(model, args, "SEQ_CLS")  # with --lora_rank: adapters on the backbone, the new head trained whole
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)

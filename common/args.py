@@ -51,23 +51,32 @@ NOT_LM_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuest
 def check_causal_lm(path: str, flag: str = "--pretrain") -> None:
     """Refuse, from its config.json, a model transformers cannot load as a causal LM, or would load with a new,
     untrained LM head and train on silently (a reward model where the policy belongs)."""
-    config_file = os.path.join(os.path.expanduser(path), "config.json")
-    if not os.path.isfile(config_file):
-        return  # a hub name: transformers reports its own errors
-    with open(config_file) as f:
-        config = json.load(f)
-    if "AutoModelForCausalLM" in (config.get("auto_map") or {}):
-        return  # the model's own code (trust_remote_code) says how it loads
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type, architectures = config.get("model_type"), config.get("architectures") or []
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"{flag} {path} is a {model_type!r} model, which transformers cannot load as a causal "
-                        f"language model; give a decoder-only model (Llama, Qwen2, Mistral, ...).")
+    config = check_decoder_only(path, flag)
+    architectures = (config or {}).get("architectures") or []
     if architectures and all(a.endswith(NOT_LM_HEADS) for a in architectures):
         raise UserError(f"{flag} {path} is a {architectures[0]}, not a causal language model: loaded as one it would "
                         f"get a new, untrained output layer. Give the policy's folder (a reward model belongs to "
                         f"--reward_pretrain).")
+
+
+def check_decoder_only(path: str, flag: str = "--pretrain") -> dict | None:
+    """Refuse, from its config.json, a model that is not a decoder-only transformer (T5, BERT, DeBERTa, ...): a
+    policy must generate, and a reward model's or critic's score is read at a sequence's last token, which only a
+    causal model's last hidden state summarises. Returns the config, None for a hub name or remote code."""
+    config_file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(config_file):
+        return None  # a hub name: transformers reports its own errors
+    with open(config_file) as f:
+        config = json.load(f)
+    if {"AutoModelForCausalLM", "AutoModelForSequenceClassification"} & set(config.get("auto_map") or {}):
+        return None  # the model's own code (trust_remote_code) says how it loads
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"{flag} {path} is a {model_type!r} model, which transformers cannot load as a causal "
+                        f"language model; give a decoder-only model (Llama, Qwen2, Mistral, ...).")
+    return config
 
 
 def check_output_dir(path: str, flag: str = "--output_dir") -> None:

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from common import data
-from common.args import UserError
+from common.args import UserError, check_decoder_only
 from common.modeling import sequence_rewards
 
 
@@ -105,6 +105,7 @@ def load_reward_model(path: str, flag: str = "--reward_pretrain", device: str | 
     """
     if not os.path.isdir(os.path.expanduser(path)) and path.startswith((".", "/", "~")):
         raise UserError(f"{flag} {path} does not exist; give a reward model folder saved by rm.py.")
+    check_decoder_only(path, flag)
     try:
         config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -133,8 +133,8 @@ def bad_files(tmp_path_factory) -> dict:
 ])
 def test_refused_before_anything_loads(script, fault, words, tiny_model, short_model, not_causal_lms, task,
                                        bad_files, tmp_path, capsys):
-    if script == "rm" and fault in ("a reward model where the policy belongs", "an encoder-decoder model"):
-        pytest.skip("rm.py trains a scalar head on any backbone, a reward model's included")
+    if script == "rm" and fault == "a reward model where the policy belongs":
+        pytest.skip("rm.py trains a scalar head on any decoder-only backbone, a reward model's included")
     out = str(tmp_path / "out")
     model = {"model path missing": str(tmp_path / "no_such_model"),
              "model folder without config.json": bad_files["no_config"],
@@ -167,6 +167,16 @@ def test_a_model_with_another_tokenizer_is_refused(script, flag, tiny_model, oth
     out = str(tmp_path / "out")
     code, stderr = run_in_process(script, command(script, tiny_model, task, out, flag, other_tokenizer_model), capsys)
     check_refused(code, stderr, f"{flag} {other_tokenizer_model} has a different tokenizer from the policy", out)
+
+
+@pytest.mark.parametrize("script,flag", [("ppo_ray", "--reward_pretrain"), ("ppo_ray", "--critic_pretrain"),
+                                         ("rejection_sampling", "--reward_pretrain")])
+def test_an_encoder_decoder_scorer_is_refused(script, flag, tiny_model, not_causal_lms, task, tmp_path, capsys):
+    """A reward or value is read at a sequence's last token, which only a decoder-only model's summarises."""
+    out = str(tmp_path / "out")
+    t5 = not_causal_lms["t5"]
+    code, stderr = run_in_process(script, command(script, tiny_model, task, out, flag, t5), capsys)
+    check_refused(code, stderr, f"{flag} {t5} is a 't5' model", out)
 
 
 @pytest.mark.parametrize("script", ["ppo_ray", "rejection_sampling"])

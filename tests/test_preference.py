@@ -6,12 +6,13 @@ preference data; each asserts a gain that an untrained or broken script would no
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import SEED, expect, metrics, run_script, training_problem_scores
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from common import data
 from common.net import free_port
@@ -184,6 +185,26 @@ def test_rm_with_lora_ranks_right_answers_above_worse_ones(sft_model, task, tmp_
                          task["pref_eval"], *RUN_ARGS, "--max_steps", "80", "--learning_rate", "1e-3",
                          *LORA_ARGS, "--output_dir", out])
     expect_reward_model("rm lora", out, task)
+
+
+@pytest.mark.slow
+def test_rm_trains_the_embedding_of_the_token_it_pads_with(tiny_model, task, tmp_path):
+    """A tokenizer that pads with its EOS (many Llama-family ones) pads with its BOS in rm.py. Given to from_pretrained,
+    that id became the embeddings' padding_idx, a row that never gets a gradient: the BOS that starts every row kept
+    its initial embedding for the whole run."""
+    model_dir = str(tmp_path / "pads_with_eos")
+    shutil.copytree(tiny_model, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(model_dir)
+    out = str(tmp_path / "rm")
+    run_script("rm.py", ["--pretrain", model_dir, "--dataset", task["pref_train"], *RUN_ARGS, "--zero_stage", "0",
+                         "--max_steps", "2", "--learning_rate", "1e-3", "--output_dir", out])
+    bos = tokenizer.bos_token_id
+    trained = AutoModelForSequenceClassification.from_pretrained(out)
+    assert trained.config.pad_token_id == bos  # it pads with the BOS ...
+    before = AutoModelForCausalLM.from_pretrained(model_dir).get_input_embeddings().weight[bos]
+    assert not torch.equal(trained.get_input_embeddings().weight[bos], before)  # ... and trains its embedding
 
 
 def expect_reward_model(name: str, out: str, task: dict) -> None:
