@@ -55,6 +55,7 @@ import functools
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -70,7 +71,8 @@ from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_
                          check_output_dir, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
                                save_train_state, write_atomically)
-from common.data import DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt, stream_indices
+from common.data import (DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt,
+                         reward_model_input_ids, stream_indices)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer, trained_zero_stage)
 from common.logging_utils import MetricsLogger, progress, timed
@@ -397,13 +399,12 @@ def compute_advantages(args, scores, kl, values, mask, kl_coef):
 
 
 # ------------------------------------------------------------------------------------------------- experience
-def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], eos_id: int, pad_id: int) -> dict:
+def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], pad_id: int) -> dict:
     """Right-padded tensors for prompt + response sequences; the masks say which tokens were generated.
 
     action_mask (batch, seq - 1) is 1 where the next token is a response token, the layout every per-token tensor
     (log-probs, values, rewards, advantages) shares; in a multi-turn episode (--env_fn) the environment's tokens are
-    not, and the episode may start from a prompt of its own. rm_input_ids ends every sequence with EOS, as rm.py
-    trained on.
+    not, and the episode may start from a prompt of its own. (The reward models read reward_model_batch's rows.)
     """
     rows, prompt_lens, vllm_logprobs, policy_masks = [], [], [], []
     for ids, outs in zip(prompt_ids, samples):
@@ -418,28 +419,37 @@ def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], eos_id: 
     input_ids = torch.full((batch_size, length), pad_id)  # (batch, seq)
     attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
     action_mask = torch.zeros(batch_size, length - 1)
-    rm_input_ids = torch.full((batch_size, length + 1), pad_id)
-    rm_attention_mask = torch.zeros(batch_size, length + 1, dtype=torch.long)
     vllm_lp = torch.zeros(batch_size, length - 1)
     for i, (row, p) in enumerate(zip(rows, prompt_lens)):
         input_ids[i, : len(row)] = torch.tensor(row)
         attention_mask[i, : len(row)] = 1
         action_mask[i, p - 1: len(row) - 1] = torch.tensor(policy_masks[i], dtype=action_mask.dtype)
         vllm_lp[i, p - 1: p - 1 + len(vllm_logprobs[i])] = torch.tensor(vllm_logprobs[i])
-        rm_row = row if row[-1] == eos_id else row + [eos_id]
-        rm_input_ids[i, : len(rm_row)] = torch.tensor(rm_row)
-        rm_attention_mask[i, : len(rm_row)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "action_mask": action_mask, "rm_input_ids": rm_input_ids, "rm_attention_mask": rm_attention_mask,
-            "vllm_logprobs": vllm_lp}
+            "action_mask": action_mask, "vllm_logprobs": vllm_lp}
 
 
-def score(args: Args, reward_models: list, reward_fn, batch: dict, prompts: list, responses: list[str],
+def reward_model_batch(args: Args, tokenizer, prompts: list, responses: list[str]) -> dict:
+    """What the reward models score: each prompt + response rendered and tokenized as rm.py renders its pairs
+    (data.reward_model_input_ids: ended by EOS, with --apply_chat_template or --input_template), right-padded.
+
+    Not the policy's own tokens: where an --input_template ends in a space ("Answer: "), the prompt's tokens end
+    with that space alone while rm.py's pairs merge it into the response's first word, and a chat template that
+    writes a newline after its end-of-turn token has it before rm.py's EOS, not in what vLLM stopped at. The
+    reward would be read from token sequences the reward model never saw; rejection_sampling.py scores the same way.
+    """
+    rows = [{"input_ids": reward_model_input_ids(tokenizer, prompt, response, sys.maxsize, args.apply_chat_template,
+                                                 args.input_template)} for prompt, response in zip(prompts, responses)]
+    return pad_collate(rows, tokenizer.pad_token_id, keys=("input_ids",))
+
+
+def score(args: Args, tokenizer, reward_models: list, reward_fn, prompts: list, responses: list[str],
           labels: list) -> tuple[torch.Tensor, dict]:
-    """The reward of every sequence (batch,): the weighted sum (rewards.combine_rewards) of each reward model's
+    """The reward of every response (batch,): the weighted sum (rewards.combine_rewards) of each reward model's
     score, the rule function's and the remote RM's, clipped to --reward_clip; and each source's mean."""
     micro = micro_rollout(args)
+    batch = reward_model_batch(args, tokenizer, prompts, responses) if reward_models else None
     pending = [group.call_sharded("scores", shard(batch, len(group), micro)) for group in reward_models]  # all at once
     sources, metrics = [], {}
     for i, parts in enumerate(pending):
@@ -463,7 +473,7 @@ def episode_scores(args: Args, samples: list[list[dict]]) -> tuple[torch.Tensor,
         "rewards/env": scores.mean(), "env/turns": sum(e["turns"] for e in episodes) / len(episodes)}
 
 
-def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[list[dict]], batch: dict, tokenizer,
+def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[list[dict]], tokenizer,
                    reward_fn) -> tuple[torch.Tensor, dict]:
     """The reward of each response (prompt-major, as build_batch lays them out), --overlong_buffer_len's penalty
     included, and each reward source's mean."""
@@ -472,7 +482,7 @@ def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[l
         scores, metrics = episode_scores(args, samples)
     else:
         responses = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in samples for s in group]
-        scores, metrics = score(args, roles["rewards"], reward_fn, batch,
+        scores, metrics = score(args, tokenizer, roles["rewards"], reward_fn,
                                 [p["prompt"] for p in prompts for _ in range(n)], responses,
                                 [p["label"] for p in prompts for _ in range(n)])
     if args.overlong_buffer_len:  # by the tokens --generate_max_len bounds: a multi-turn episode's, the env's too
@@ -494,7 +504,7 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     `scored`: the responses' score_rollouts, when the rollout already scored them (--dynamic_sampling); the reward
     models then ran before the other roles instead of with them.
     """
-    batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.pad_token_id)
     rows = len(batch["input_ids"])
     actor, ref, critic = roles["actor"], roles.get("ref"), roles.get("critic")
     if args.lora_rank and uses_reference(args):  # the reference is the actor's frozen model, adapters off
@@ -505,7 +515,7 @@ def make_experience(args: Args, roles: dict, prompts: list[dict], samples: list[
     ref_method = "reference_logprobs" if ref is actor else "logprobs"
     ref_logprobs = ref.call_sharded(ref_method, shard(batch, len(ref), micro)) if ref else None
     critic_values = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
-    scores, metrics = scored or score_rollouts(args, roles, prompts, samples, batch, tokenizer, reward_fn)
+    scores, metrics = scored or score_rollouts(args, roles, prompts, samples, tokenizer, reward_fn)
     metrics = dict(metrics)
 
     lengths = batch["action_mask"].sum(-1)
@@ -560,9 +570,7 @@ def split(batch: dict, size: int, shuffle_seed: int | None = None) -> list[dict]
         mb = {}
         for key, value in batch.items():
             value = value[idx]
-            if value.dim() == 2 and key.startswith("rm_"):
-                value = value[:, : int(batch["rm_attention_mask"][idx].sum(1).max())]
-            elif value.dim() == 2:
+            if value.dim() == 2:
                 value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
             mb[key] = value.to(device())
         out.append(mb)
@@ -770,11 +778,11 @@ class RewardModelWorker(ScalarHeadWorker):
 
     @torch.no_grad()
     def scores(self, batch: dict) -> torch.Tensor:
-        """Reward-model scores read at each sequence's last token, (batch,); padded also with --packing_samples."""
+        """Reward-model scores of reward_model_batch's rows, read at each one's last token, (batch,); padded also with
+        --packing_samples."""
         self.use_cpu_threads("experience")
         self.engine.eval()
-        return torch.cat([sequence_rewards(self.engine, mb["rm_input_ids"], mb["rm_attention_mask"],
-                                           self._normalizes())
+        return torch.cat([sequence_rewards(self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes())
                           for mb in split(batch, micro_rollout(self.args))]).cpu()
 
 
@@ -1062,8 +1070,7 @@ def rollout(args: Args, roles: dict, prompts: list[dict], step: int, tokenizer,
         if round_:
             picked = further_prompts(args, prompts, step, round_)
             samples = respond(args, roles, picked, n, args.temperature, tokenizer)
-        batch = build_batch([p["ids"] for p in picked], samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        scores, metrics = score_rollouts(args, roles, picked, samples, batch, tokenizer, reward_fn)
+        scores, metrics = score_rollouts(args, roles, picked, samples, tokenizer, reward_fn)
         first = metrics if first is None else first
         spread = tricks.groups_with_a_spread(scores, n)
         for i, group in enumerate(zip(picked, samples, scores.view(-1, n))):
@@ -1141,16 +1148,14 @@ def sync_weights(roles: dict) -> dict:
 def evaluate(args: Args, roles: dict, tokenizer, reward_fn, eval_prompts: list[dict]) -> dict:
     """Greedy responses to the held-out prompts, scored like the rollouts; the latest are kept in
     eval_samples.jsonl, to read."""
-    prompt_ids = [p["ids"] for p in eval_prompts]
     samples = respond(args, roles, eval_prompts, 1, 0.0, tokenizer)
-    batch = build_batch(prompt_ids, samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
     # an episode's text shows the turns' markers, which tell the policy's turns from the environment's
     texts = [tokenizer.decode(s[0]["token_ids"], skip_special_tokens=not args.env_fn) for s in samples]
     if args.env_fn:
         total, parts = episode_scores(args, samples)
     else:
-        total, parts = score(args, roles["rewards"], reward_fn, batch, [p["prompt"] for p in eval_prompts], texts,
-                             [p["label"] for p in eval_prompts])
+        total, parts = score(args, tokenizer, roles["rewards"], reward_fn, [p["prompt"] for p in eval_prompts],
+                             texts, [p["label"] for p in eval_prompts])
     with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w") as f:
         for p, text, reward in zip(eval_prompts, texts, total.tolist()):
             f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")

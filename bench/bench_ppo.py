@@ -212,7 +212,7 @@ def limits(model_dir: str, prompts_file: str, settings: dict) -> dict:
     from ppo_ray import build_batch
 
     tokens_per_sec, length, (prompt_ids, samples, tokenizer) = generation_limit(model_dir, prompts_file, settings)
-    batch = build_batch(prompt_ids, samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    batch = build_batch(prompt_ids, samples, tokenizer.pad_token_id)
     out = experience_and_train_limits(model_dir, batch, settings)
     return {"tokens_per_sec": tokens_per_sec, "length": length, "experience": out["experience"],
             "train": out["train"], "sync": broadcast_limit(out["sync_bytes"])}

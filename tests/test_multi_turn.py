@@ -109,8 +109,7 @@ def test_the_overlong_penalty_counts_the_environments_tokens_as_the_budget_does(
     assert sum(e["env_mask"]) < budget and e["reward"] == 1.0
     args = SimpleNamespace(env_fn="sum_env.py:make_env", n_samples_per_prompt=1, reward_clip=10.0,
                            generate_max_len=budget, overlong_buffer_len=4, overlong_penalty_factor=1.0)
-    batch = ppo_ray.build_batch([prompt["ids"]], [[e]], tokenizer.eos_token_id, tokenizer.pad_token_id)
-    scores, metrics = ppo_ray.score_rollouts(args, {}, [prompt], [[e]], batch, tokenizer, None)
+    scores, metrics = ppo_ray.score_rollouts(args, {}, [prompt], [[e]], tokenizer, None)
     assert scores.tolist() == [0.0] and metrics["rewards/overlong_penalty"].item() == -1.0
 
 

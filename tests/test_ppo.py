@@ -162,6 +162,33 @@ def bad_inputs(sft_model, task, tmp):
     }
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("template", [["--apply_chat_template"], ["--input_template", "Q: {} A: "]])
+def test_a_reward_model_scores_the_responses_as_rm_py_renders_its_pairs(tiny_model, task, tmp_path, template):
+    """Each held-out response's reward, from a reward model on a Ray worker, equals the reward model's score of the
+    same prompt and response rendered as rm.py trains on them (rewards.reward_model_scores, which rejection sampling
+    uses): with the input template's trailing space, rm.py's pairs merge it into the response's first word."""
+    from test_rewards import write_reward_model
+
+    from common.rewards import load_reward_model, reward_model_scores
+
+    rm_dir = write_reward_model(tiny_model, str(tmp_path / "rm"))
+    out = str(tmp_path / "ppo")
+    run_script("ppo_ray.py", ["--pretrain", tiny_model, "--reward_pretrain", rm_dir, *template, "--prompt_data",
+                              task["prompts_train"], "--eval_prompt_data", task["prompts_eval"], "--prompt_max_len",
+                              "64", "--generate_max_len", "8", "--advantage_estimator", "grpo", "--rollout_batch_size",
+                              "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8", "--micro_train_batch_size",
+                              "8", "--max_steps", "1", "--output_dir", out])
+    samples = [json.loads(line) for line in open(os.path.join(out, "eval_samples.jsonl"))]
+    model, tokenizer = load_reward_model(rm_dir)
+    input_template = template[1] if len(template) > 1 else None
+    expected = reward_model_scores(model, tokenizer, [s["prompt"] for s in samples], [s["response"] for s in samples],
+                                   "--apply_chat_template" in template, input_template)
+    torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), torch.tensor(expected), rtol=0,
+                               atol=1e-4)
+    assert len(set(expected)) > len(expected) // 2  # the score head tells the responses apart
+
+
 def test_reward_sources_are_weighted_in_the_order_of_the_flags():
     """--reward_weights has one weight per source: reward models, then --reward_fn, then --remote_rm_url."""
     import ppo_ray
@@ -169,7 +196,7 @@ def test_reward_sources_are_weighted_in_the_order_of_the_flags():
 
     prompts, responses, labels = ["What is 1 + 2?"] * 3, ["3", "4", "3"], ["3", "3", "3"]
     args = ppo_ray.Args(reward_fn=REWARD_FN, reward_weights=[0.5], reward_clip=10.0)
-    total, parts = ppo_ray.score(args, [], reward_fn, None, prompts, responses, labels)
+    total, parts = ppo_ray.score(args, None, [], reward_fn, prompts, responses, labels)
     assert total.tolist() == [0.5, 0.0, 0.5] and abs(float(parts["rewards/rule"]) - 2 / 3) < 1e-6
 
 

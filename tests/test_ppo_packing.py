@@ -73,7 +73,7 @@ def rollout_batch(tokenizer) -> dict:
     prompts = [[tokenizer.bos_token_id or 1] + words(n - 1) for n in PROMPT_LENS]
     samples = [[{"token_ids": words(n - 1) + ([tokenizer.eos_token_id] if eos else words(1)), "logprobs": None}]
                for n, eos in zip(RESPONSE_LENS, ENDS_WITH_EOS)]
-    return ppo_ray.build_batch(prompts, samples, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return ppo_ray.build_batch(prompts, samples, tokenizer.pad_token_id)
 
 
 def left_padded(batch: dict, pad_id: int) -> dict:

@@ -47,7 +47,7 @@ def experience_batch(tokenizer, lengths: list[int]) -> dict:
     """One prompt token and responses of the given lengths (each ended by EOS), as ppo_ray.build_batch lays them."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     samples = [[{"token_ids": [40 + i] * (n - 1) + [eos], "logprobs": None}] for i, n in enumerate(lengths)]
-    batch = ppo_ray.build_batch([[bos]] * len(lengths), samples, eos, tokenizer.pad_token_id)
+    batch = ppo_ray.build_batch([[bos]] * len(lengths), samples, tokenizer.pad_token_id)
     zeros = torch.zeros_like(batch["action_mask"])
     return {**batch, "old_logprobs": zeros, "ref_logprobs": zeros, "advantages": zeros + 1, "values": zeros,
             "returns": zeros}

@@ -1,10 +1,12 @@
 """The reward model is read at the same token sequence where it is trained (rm.py) and where it is used
-(ppo_ray.py, rejection_sampling.py), whatever the chat template writes after its end-of-turn token.
+(ppo_ray.py, rejection_sampling.py), whatever the template writes around the response.
 
 ChatML (Qwen's template) writes "<|im_end|>\\n" after every turn; training rows used to end "<|im_end|> \\n <|im_end|>"
 while PPO scored rows ending at the generated <|im_end|>, so the score was read in a context the model never saw
-in training. Each test renders one prompt and response the way each script does and compares the token ids whose
-last position the reward model reads.
+in training. And an input template that ends in a space ("A: ") leaves that space a token of its own after the
+prompt's tokens, where rm.py's pairs, tokenized as one text, merge it into the response's first word. Each test
+renders one prompt and response the way each script does and compares the token ids whose last position the reward
+model reads.
 """
 
 import json
@@ -21,7 +23,9 @@ from common import rewards
 from common.deepspeed_utils import load_tokenizer
 from common.tiny_model import write_tiny_model
 
-PROMPT, RESPONSE, OTHER = "What is 3+4?", "7", "8"
+# A response that starts with a word: byte-level BPE merges the space that ends the input template ("A: ") into it
+# (" the") when prompt and response are tokenized as one text, as rm.py does, but not after the prompt's own tokens.
+PROMPT, RESPONSE, OTHER = "What is 3+4?", "the answer is 7", "8"
 
 
 @pytest.fixture(scope="module", params=["chatml", "default"])
@@ -56,7 +60,8 @@ def rm_training_sequence(path, tmp_path, apply_chat_template) -> list[int]:
 
 
 def ppo_sequence(path, tmp_path, apply_chat_template) -> list[int]:
-    """What ppo_ray.py's reward workers read: the prompt as it is sent to vLLM, the generated tokens and EOS."""
+    """What ppo_ray.py's reward workers read for the response the policy generated after the prompt's tokens, as it
+    is sent to vLLM, up to the EOS vLLM stops at."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
@@ -64,9 +69,13 @@ def ppo_sequence(path, tmp_path, apply_chat_template) -> list[int]:
                         input_template=None if apply_chat_template else "Q: {} A: ")
     prompt = ppo_ray.load_prompts(args, tokenizer, str(prompts), "train")[0]
     generated = tokenizer(RESPONSE, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # vLLM stops here
-    batch = ppo_ray.build_batch([prompt["ids"]], [[{"token_ids": generated, "logprobs": None}]],
-                                tokenizer.eos_token_id, tokenizer.pad_token_id)
-    return read_sequences(batch["rm_input_ids"], batch["rm_attention_mask"])[0]
+    sequence = prompt["ids"] + generated  # what the policy is trained on: the same text, other tokens after "A: "
+    trained = rm_training_sequence(path, tmp_path, apply_chat_template)
+    assert tokenizer.decode(sequence) == tokenizer.decode(trained)
+    assert (sequence == trained) == apply_chat_template, tokenizer.convert_ids_to_tokens(sequence)
+    response = tokenizer.decode(generated, skip_special_tokens=True)  # as score_rollouts decodes it
+    batch = ppo_ray.reward_model_batch(args, tokenizer, [PROMPT], [response])
+    return read_sequences(batch["input_ids"], batch["attention_mask"])[0]
 
 
 def rejection_sampling_sequence(path, monkeypatch, apply_chat_template) -> list[int]:
