@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +30,10 @@ def run_variant(seed: int, threads: str, out: str, select: str | None) -> subpro
     env.pop("RLHF_TEST_THREADS", None)
     if threads != "default":
         env["RLHF_TEST_THREADS"] = threads
+    # A temp folder per variant: the vLLM rendezvous files that conftest.run_script counts are then this variant's,
+    # not those of one running beside it (--jobs). Ray keeps its session folders where they were.
+    env.setdefault("RAY_TMPDIR", tempfile.gettempdir())
+    env["TMPDIR"] = tempfile.mkdtemp(prefix=f"margins_{seed}{threads[0]}_")
     if os.path.exists(env["RLHF_MARGINS_FILE"]):
         os.remove(env["RLHF_MARGINS_FILE"])
     cmd = [sys.executable, "-m", "pytest", "-m", "learning", "-q", "-p", "no:cacheprovider",

@@ -567,7 +567,8 @@ def toy_learning(estimator: str, steps: int = 30, **flags) -> tuple[float, float
     ("grpo", {"eps_clip_high": 0.28}), ("grpo", {"dual_clip": 3.0}), ("grpo", {"vllm_is_correction": True}),
 ])
 def test_each_estimator_and_loss_option_learns_a_toy_problem(estimator, flags):
-    """The sign, the baseline and the aggregation of every estimator and loss option, end to end: the probability of
-    the rewarded token must rise from 0.25 to well above half in 30 steps (each reaches 0.94-0.96)."""
+    """The sign, the baseline and the aggregation of every estimator and loss option, on a toy problem: the
+    probability of the rewarded token must rise from 0.25 to well above half in 30 steps (each reaches 0.94-0.96).
+    That each flag reaches the loss in the actor's update is test_ppo_workers.py's test."""
     before, after = toy_learning(estimator, **flags)
     assert after > 0.6, (estimator, flags, before, after)

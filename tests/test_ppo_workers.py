@@ -91,6 +91,39 @@ def test_ptx_rows_walk_the_whole_set_across_steps_and_ranks_and_resume(tiny_mode
     assert next_pass != drawn[(0, 0)], "the second pass repeats the first pass's order"
 
 
+# ---------------------------------------------------------------------------------------------- loss options
+@pytest.mark.parametrize("flags,handed", [
+    ({}, {}),
+    ({"eps_clip": 0.1}, {"clip": (0.1, 0.1)}),
+    ({"eps_clip_low": 0.1, "eps_clip_high": 0.28}, {"clip": (0.1, 0.28)}),
+    ({"dual_clip": 3.0}, {"dual_clip": 3.0}),
+    ({"loss_agg": "seq-mean-token-mean"}, {"agg": "seq-mean-token-mean"}),
+    ({"advantage_estimator": "dr_grpo"}, {"agg": "seq-mean-token-sum-norm"}),
+    ({"vllm_is_correction": True}, {"weighted": True}),
+])
+def test_the_actor_update_hands_each_loss_option_to_the_loss(tiny_model, monkeypatch, flags, handed):
+    """Each flag of the clipped objective reaches policy_loss from ActorWorker.fit. The loss's own tests (worked by
+    hand, and the toy problem in test_ppo_tricks.py) call it directly: a flag that fit dropped would pass them all."""
+    real, seen = ppo_ray.policy_loss, []
+
+    def recording(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
+                  agg="token-mean", max_len=1):
+        seen.append({"clip": (clip_low, clip_high), "dual_clip": dual_clip, "weighted": weights is not None,
+                     "agg": agg, "max_len": max_len})
+        return real(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip, weights, agg, max_len)
+
+    monkeypatch.setattr(ppo_ray, "policy_loss", recording)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    engine = FakeEngine(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    args = ppo_ray.Args(**{"micro_train_batch_size": 2, "max_epochs": 1, "advantage_estimator": "grpo",
+                           "generate_max_len": 8, **flags})
+    experience = experience_batch(tokenizer, [3, 2])
+    del experience["old_logprobs"]  # on policy: fit computes them, and with --vllm_is_correction the IS weights
+    worker(ppo_ray.ActorWorker, args, engine, tokenizer).fit(experience, 0.0, 0)
+    default = {"clip": (0.2, 0.2), "dual_clip": None, "weighted": False, "agg": "token-mean", "max_len": 8}
+    assert seen == [{**default, **handed}]
+
+
 # ---------------------------------------------------------------------------------------------------- critic
 def test_critic_from_reward_model_starts_on_the_normalised_reward_scale(tiny_model):
     """At step 0 a critic initialised from the reward model values a finished sequence at its normalised score,
