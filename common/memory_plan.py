@@ -1,10 +1,13 @@
 """Memory pre-flight of a ppo_ray.py layout: what each GPU will hold, from the models' config.json alone.
 
-Trained roles (actor, critic) take DeepSpeed's own estimate of their model states per GPU (weights, gradients and
-Adam states: `estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/stage3.py, the ZeRO-2 one in
-stage_1_and_2.py for --zero_stage below 3). Frozen roles (reference, reward models) hold bf16 weights partitioned
-over their ranks (in CPU memory with --ref_offload) plus the gathered largest layer. A forward over the vocabulary
-adds its logits: bf16, their fp32 copy and the fp32 logsumexp work of one micro-batch. A vLLM engine takes
+Trained roles (actor, critic) hold their model states (weights, gradients and Adam states): DeepSpeed's own
+estimate at ZeRO-3 and ZeRO-2 (`estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/stage3.py, the
+ZeRO-2 one in stage_1_and_2.py), and below that the optimizers DeepSpeed picks for bf16 (model_states says which),
+which keep whole-model gradients on every GPU. Their activations come on top: the inputs of every layer of a
+micro-batch kept for backward (with --gradient_checkpointing, each layer's input and one layer's whole). Frozen
+roles (reference, reward models) hold bf16 weights partitioned over their ranks (in CPU memory with --ref_offload)
+plus the gathered largest layer. A forward over the vocabulary adds its logits: bf16, their fp32 copy and the fp32
+logsumexp work of one micro-batch. The GPUs are taken to compute in bf16 (Ampere and later). A vLLM engine takes
 --vllm_gpu_memory_utilization of each of its GPUs, in which its shard of the weights, its own working memory and a
 KV cache must fit. Colocated roles add up on their GPUs; with --colocate_all the engines count at their full share,
 as they need it free when they start and wake.
@@ -12,7 +15,6 @@ as they need it free when they start and wake.
     python ppo_ray.py ... --dry_run          # prints the plan, refuses one that does not fit, starts nothing
 """
 
-import argparse
 import json
 import os
 
@@ -25,6 +27,11 @@ VLLM_OVERHEAD_GIB = 4.0
 MIN_KV_SEQUENCES = 8
 # fp32 bytes per logit a vocabulary forward holds at once: bf16 logits (2) + their fp32 copy (4) + logsumexp (4).
 LOGIT_BYTES = 10
+# bf16 bytes a decoder layer keeps per token for its backward, per unit of hidden and of MLP width: the norms',
+# attention's and the projections' inputs and outputs (flash-attention keeps no seq x seq scores), and SwiGLU's gate,
+# up, activation and product. Korthikanti et al. 2022 ("Reducing Activation Recomputation") count 34 x hidden for a
+# GPT layer with a 4 x hidden MLP; split over a Llama layer's two widths and rounded up.
+ACTIVATION_BYTES_PER_HIDDEN, ACTIVATION_BYTES_PER_INTERMEDIATE = 18, 8
 
 
 def read_config(path: str, flag: str) -> dict:
@@ -49,37 +56,69 @@ def model_sizes(config: dict) -> dict:
     # LoRA's A (r, in) and B (out, r) on every linear layer of a block: r x (in + out) each, at rank 1
     lora_per_rank = layers * (2 * (hidden + heads * head_dim) + 2 * (hidden + kv_heads * head_dim)
                               + 3 * (hidden + config["intermediate_size"]))
-    return {"causal_lm": backbone + (0 if config.get("tie_word_embeddings") else vocab * hidden),
+    untied = not config.get("tie_word_embeddings")
+    layer_activations = (ACTIVATION_BYTES_PER_HIDDEN * hidden
+                         + ACTIVATION_BYTES_PER_INTERMEDIATE * config["intermediate_size"])  # bytes per token
+    return {"causal_lm": backbone + (vocab * hidden if untied else 0),
             "scalar_head": backbone + hidden, "largest_layer": max(vocab * hidden, per_layer),
-            "kv_per_token": 2 * layers * kv_heads * head_dim * 2, "vocab": vocab, "lora_per_rank": lora_per_rank}
+            "kv_per_token": 2 * layers * kv_heads * head_dim * 2, "vocab": vocab, "lora_per_rank": lora_per_rank,
+            "embeddings": vocab * hidden * (2 if untied else 1),  # kept in bf16 by a 4-bit quantizer
+            "activations_per_token": {"all layers": layers * layer_activations,
+                                      "checkpointed": layers * 2 * hidden + layer_activations}}
 
 
-def trained(args, params: int, largest: int, gpus: int, lora_per_rank: int = 0) -> dict:
-    """GPU bytes of a trained role's rank: DeepSpeed's estimate of its model states (and the CPU bytes of the role).
+def trained(args, sizes: dict, params: int, gpus: int, tokens: int) -> dict:
+    """GPU bytes of a trained role's rank, by part (and the CPU bytes of the role): its model states, and the
+    activations of a micro-batch of `tokens`. `sizes` is the model's model_sizes, `params` the count trained.
 
     With --lora_rank only the adapters have model states (counted as on every linear layer, the most any
-    --target_modules can give); the frozen weights are bf16, partitioned under ZeRO-3, or 4-bit and whole (QLoRA).
+    --target_modules can give); the frozen weights are bf16, partitioned under ZeRO-3 with a layer gathered at a
+    time, or 4-bit and whole (QLoRA, which keeps the embeddings and the LM head in bf16).
     """
     from common.deepspeed_utils import trained_zero_stage
 
     stage = trained_zero_stage(args.zero_stage, gpus, args.offload_optimizer, args.load_in_4bit)
+    activations = tokens * sizes["activations_per_token"]["checkpointed" if args.gradient_checkpointing
+                                                          else "all layers"]
     if args.lora_rank:
-        frozen_weights = params // 2 if args.load_in_4bit else 2 * params // (gpus if stage == 3 else 1)
-        adapters = trained(argparse.Namespace(**{**vars(args), "lora_rank": 0}), args.lora_rank * lora_per_rank,
-                           0, gpus)
-        return {"frozen weights": frozen_weights, "model states": adapters["model states"], "cpu": adapters["cpu"]}
+        if args.load_in_4bit:
+            frozen_weights = {"frozen weights": (params - sizes["embeddings"]) // 2 + 2 * sizes["embeddings"]}
+        elif stage == 3:
+            frozen_weights = {"frozen weights": 2 * params // gpus, "gathered layer": 4 * sizes["largest_layer"]}
+        else:
+            frozen_weights = {"frozen weights": 2 * params}
+        gpu, cpu = model_states(stage, args.lora_rank * sizes["lora_per_rank"], 0, gpus, args.offload_optimizer)
+    else:
+        frozen_weights = {}
+        gpu, cpu = model_states(stage, params, sizes["largest_layer"], gpus, args.offload_optimizer)
+    return {**frozen_weights, "model states": gpu, "activations": activations, "cpu": cpu}
+
+
+def model_states(stage: int, params: int, largest: int, gpus: int, offload: bool) -> tuple[int, int]:
+    """(GPU bytes per rank, CPU bytes in all) of bf16 weights, their gradients and fp32 Adam states at a ZeRO stage.
+
+    Stages 3 and 2 are DeepSpeed's estimates. Below that DeepSpeed keeps gradients of the whole model on every GPU:
+    at stage 1 in bf16 with fp32 accumulation (ds_config) it picks its BF16_Optimizer, whose fp32 gradient buffer
+    is as large as the model (deepspeed/runtime/bf16_optimizer.py), or with an offloaded optimizer a per-parameter
+    fp32 grad_accum (stage_1_and_2.py); only the fp32 master weights and Adam's two moments (12 bytes) are split.
+    At stage 0 its bf16 wrapper (FP16_Optimizer for bf16, engine.py's DDP_BFLOAT16) keeps an fp32 master copy of
+    every weight and its fp32 gradient besides the bf16 ones, and Adam's moments: 20 bytes, none of them split.
+    """
     if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=gpus,
-                                                            cpu_offload=args.offload_optimizer,
-                                                            cpu_offload_params=False)
-    else:
+                                                            cpu_offload=offload, cpu_offload_params=False)
+        return gpu, cpu
+    if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-        cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus,
-                                                         cpu_offload=args.offload_optimizer)
-    return {"model states": gpu, "cpu": cpu}
+        cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus, cpu_offload=offload)
+        return gpu, cpu
+    if stage == 1:
+        split = 12 * params // gpus
+        return (2 + 4) * params + (0 if offload else split), (12 * params if offload else 0)
+    return 20 * params, 0
 
 
 def frozen(params: int, largest: int, gpus: int, offload: bool) -> dict:
@@ -101,8 +140,9 @@ def plan(args) -> dict:
         return micro * seq * policy["vocab"] * LOGIT_BYTES
 
     n_actor, engines_gpus = args.actor_num_workers, args.vllm_num_engines * args.vllm_tensor_parallel_size
+    train_tokens = args.micro_train_batch_size * seq
     groups = {"actor": (n_actor, {"actor": {
-        **trained(args, policy["causal_lm"], policy["largest_layer"], n_actor, policy["lora_per_rank"]),
+        **trained(args, policy, policy["causal_lm"], n_actor, train_tokens),
         "logits": logits(max(args.micro_train_batch_size, rollout_micro))}})}
 
     def put(group: str, gpus: int, role: str, need: dict) -> None:
@@ -119,8 +159,8 @@ def plan(args) -> dict:
     critic_group = "actor" if args.colocate_all else "critic"
     critic_gpus = n_actor if args.colocate_all else args.critic_num_workers
     if use_critic:
-        put(critic_group, critic_gpus, "critic", trained(args, critic["scalar_head"], critic["largest_layer"],
-                                                         critic_gpus, critic["lora_per_rank"]))
+        put(critic_group, critic_gpus, "critic", trained(args, critic, critic["scalar_head"], critic_gpus,
+                                                         train_tokens))
     for i, rm in enumerate(rms):
         beside_critic = args.colocate_all or (args.colocate_critic_reward and use_critic)
         gpus = critic_gpus if beside_critic else args.reward_num_workers
@@ -167,9 +207,10 @@ def check(args, groups: dict) -> None:
         total = sum(gpu_bytes(need) for need in roles.values())
         if total > args.gpu_memory_gib * GiB:
             biggest = max(roles, key=lambda role: gpu_bytes(roles[role]))
+            checkpointing = "" if args.gradient_checkpointing else "turn on --gradient_checkpointing, "
             raise UserError(f"the {group} GPUs would hold {total / GiB:.1f} GiB each ({', '.join(roles)}) of "
                             f"{args.gpu_memory_gib:g} GiB, {biggest} the most; give {biggest} more workers, offload "
-                            f"(--offload_optimizer, --ref_offload), lower the micro-batch sizes or "
+                            f"(--offload_optimizer, --ref_offload), {checkpointing}lower the micro-batch sizes or "
                             f"--vllm_gpu_memory_utilization, or colocate less.")
 
 

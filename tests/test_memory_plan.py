@@ -5,6 +5,7 @@ weights): the plan is computed from them alone, so every recipe's layout is chec
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,29 @@ def test_lora_plans_the_adapters_states_and_no_reference():
     # peft's count for rank 16 on every linear layer of Llama-3-8B
     assert 16 * memory_plan.model_sizes(memory_plan.read_config(LLAMA["8B"], "--pretrain"))["lora_per_rank"] \
         == 41_943_040
+
+
+@pytest.mark.parametrize("changes,stored", [
+    ({"gradient_checkpointing": False}, "turn on --gradient_checkpointing"),  # ~5.9 MB a token: 45 GiB more
+    ({"zero_stage": 1, "colocate_actor_ref": True}, "give actor more workers"),  # whole-model fp32 gradients
+])
+def test_what_zero_3_and_checkpointing_save_is_counted(changes, stored):
+    """The 8B recipe fits 80 GiB GPUs with ZeRO-3 and gradient checkpointing. Without checkpointing every layer's
+    activations of a micro-batch of 4 x 2048 tokens stay for backward; at ZeRO-1 DeepSpeed keeps the gradients of the
+    whole model in fp32 on every GPU. The plan once counted neither and accepted both layouts, which run out of
+    memory."""
+    name, _, flags = next(r for r in RECIPES if "8gpu" in r[0])
+    args = recipe_args(name, flags, **changes)
+    with pytest.raises(UserError, match=re.escape(stored)):
+        memory_plan.check(args, memory_plan.plan(args))
+
+
+def test_model_states_below_zero_2_are_not_split_as_zero_2_splits_them():
+    """Bytes per parameter on 8 GPUs: ZeRO-2 splits gradients and Adam states (2 + 18/8, DeepSpeed's estimate);
+    ZeRO-1 in bf16 keeps fp32 gradients whole (2 + 4 + 12/8); ZeRO-0's bf16 wrapper keeps everything whole (20)."""
+    params = 8 * 10**9
+    per_param = {stage: memory_plan.model_states(stage, params, 0, 8, False)[0] / params for stage in (0, 1, 2)}
+    assert per_param[1] == 7.5 and per_param[0] == 20 and per_param[2] < per_param[1]
 
 
 def test_the_old_70b_vllm_layout_is_refused_in_one_sentence():
