@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
 from common import checkpoint, data, lora
-from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, parse_args,
-                         run_main)
+from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing,
+                         parse_args, run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
                                     init_train_engine, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
@@ -215,6 +215,10 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
 def main(args: Args):
     check_model_path(args.pretrain)
     check_causal_lm(args.pretrain)
+    if args.packing_samples:
+        check_packing(args.pretrain)
+        if args.ref_pretrain:
+            check_packing(args.ref_pretrain, "--ref_pretrain")
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
     lora.check_args(args)

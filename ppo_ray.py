@@ -68,7 +68,7 @@ from transformers import AutoModelForSequenceClassification
 from common import lora, memory_plan, multi_turn, rewards
 from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
-                         check_output_dir, parse_args, run_main, stop_on_sigterm)
+                         check_output_dir, check_packing, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
                                save_train_state, write_atomically)
 from common.data import (DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt,
@@ -904,6 +904,10 @@ def check_args(args: Args) -> None:
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
     check_model_path(args.pretrain)
     check_causal_lm(args.pretrain)
+    if args.packing_samples:  # the reward models score padded rows
+        check_packing(args.pretrain)
+        if args.critic_pretrain:
+            check_packing(args.critic_pretrain, "--critic_pretrain")
     check_output_dir(args.output_dir)
     check_resumable(args)
     sequence = ("--prompt_max_len + --generate_max_len", args.prompt_max_len + args.generate_max_len,

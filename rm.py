@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 from common import checkpoint, data, lora
-from common.args import (UserError, check_decoder_only, check_lengths, check_model_path, check_output_dir, parse_args,
-                         run_main)
+from common.args import (UserError, check_decoder_only, check_lengths, check_model_path, check_output_dir,
+                         check_packing, parse_args, run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
@@ -205,6 +205,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
 def main(args: Args):
     check_model_path(args.pretrain)
     check_decoder_only(args.pretrain)  # the reward is read at the last token
+    if args.packing_samples:
+        check_packing(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
     lora.check_args(args)

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from common import checkpoint, data, lora
-from common.args import check_causal_lm, check_lengths, check_model_path, check_output_dir, parse_args, run_main
+from common.args import (check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing, parse_args,
+                         run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
@@ -163,6 +164,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> float:
 def main(args: Args):
     check_model_path(args.pretrain)
     check_causal_lm(args.pretrain)
+    if args.packing_samples:
+        check_packing(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
     lora.check_args(args)

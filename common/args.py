@@ -79,6 +79,30 @@ def check_decoder_only(path: str, flag: str = "--pretrain") -> dict | None:
     return config
 
 
+# Model types whose forward lets the sequences of a packed row attend to each other: with no attention_mask,
+# transformers cuts a row where its position_ids restart only for models that build their attention mask from them
+# (Llama, Qwen2/3, Mistral, Gemma, Phi, GPT-2, GPT-NeoX, OLMo and most recent ones). These read the row as one
+# sequence, measured on tiny random models of transformers 5.19 (tests/test_packing.py measures them again): a packed
+# sequence's last hidden state moved by 2-72% of its size. The recurrent ones (the Mambas, RWKV, RecurrentGemma)
+# also carry their state from one sequence into the next.
+PACKING_IGNORED = ("opt", "falcon", "bloom", "mpt", "xglm", "biogpt", "minimax", "mamba", "mamba2", "falcon_mamba",
+                   "recurrent_gemma", "rwkv")
+
+
+def check_packing(path: str, flag: str = "--pretrain") -> None:
+    """Refuse --packing_samples for a model whose samples would attend to each other in a packed row, silently
+    mixing every packed loss (PACKING_IGNORED), from its config.json."""
+    config_file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(config_file):
+        return
+    with open(config_file) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type in PACKING_IGNORED:
+        raise UserError(f"{flag} {path} is a {model_type!r} model, whose attention does not restart at each "
+                        f"sequence of a packed row: its packed samples would attend to each other. Leave out "
+                        f"--packing_samples.")
+
+
 def check_output_dir(path: str, flag: str = "--output_dir") -> None:
     """Refuse an output folder that is a file, or that this user cannot create or write, before any work is done."""
     if os.path.exists(path) and not os.path.isdir(path):
