@@ -71,8 +71,8 @@ from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_
                          check_output_dir, check_packing, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
                                save_train_state, write_atomically)
-from common.data import (DataError, build_sft_samples, get_key, load_records, pad_collate, render_prompt,
-                         reward_model_input_ids, stream_indices)
+from common.data import (DataError, build_sft_samples, get_key, get_labels, load_records, pad_collate, render_prompt,
+                         reward_model_input_ids, sample_context, stream_indices)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer, trained_zero_stage)
 from common.logging_utils import MetricsLogger, progress, timed
@@ -831,14 +831,16 @@ def load_prompts(args, tokenizer, source, split_name) -> list[dict]:
     if not rows:
         raise DataError(f"prompt dataset {source} is empty.")
     prompts, skipped = [], 0
+    labels = get_labels(rows, args.label_key, source) if args.reward_fn or args.remote_rm_url else [None] * len(rows)
     for i, row in enumerate(rows):
         prompt = get_key(row, args.input_key, i, source)
-        text = render_prompt(tokenizer, prompt, args.apply_chat_template, args.input_template)
+        with sample_context(source, i):
+            text = render_prompt(tokenizer, prompt, args.apply_chat_template, args.input_template)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > args.prompt_max_len:
             skipped += 1
             continue
-        prompts.append({"prompt": prompt, "ids": ids, "label": row.get(args.label_key)})
+        prompts.append({"prompt": prompt, "ids": ids, "label": labels[i]})
     if not prompts:
         raise DataError(f"every prompt in {source} is longer than --prompt_max_len {args.prompt_max_len}; raise it.")
     if skipped:

@@ -247,7 +247,10 @@ def check_args(args: Args) -> None:
 
 def tokenize_prompts(tokenizer, prompts: list, args: Args, source: str) -> list[list[int]]:
     """Token ids of every rendered prompt; a UserError when one leaves no room for a response in the context."""
-    texts = [data.render_prompt(tokenizer, p, args.apply_chat_template, args.input_template) for p in prompts]
+    texts = []
+    for i, prompt in enumerate(prompts):
+        with data.sample_context(source, i):
+            texts.append(data.render_prompt(tokenizer, prompt, args.apply_chat_template, args.input_template))
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     too_long = [i for i, prompt_ids in enumerate(ids) if len(prompt_ids) + args.generate_max_len > args.max_model_len]
     if too_long:
@@ -405,7 +408,8 @@ def main(args: Args):
     if not rows:
         raise data.DataError(f"dataset {args.dataset} is empty.")
     all_prompts = [data.get_key(row, args.input_key, i, args.dataset) for i, row in enumerate(rows)]
-    all_labels = [row.get(args.label_key) for row in rows]
+    all_labels = (data.get_labels(rows, args.label_key, args.dataset) if args.reward_fn or args.remote_rm_url
+                  else [None] * len(rows))
     all_ids = tokenize_prompts(tokenizer, all_prompts, args, args.dataset)
 
     state = load_state(args)

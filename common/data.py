@@ -12,9 +12,11 @@ Assistant spans are found by rendering each conversation prefix and checking it 
 which works for any chat template that renders history stably.
 """
 
+import contextlib
 import json
 import os
 import random
+import re
 import string
 
 import torch
@@ -45,7 +47,10 @@ def _read_jsonl(path: str) -> list[dict]:
     return rows
 
 
-def _read_file(path: str) -> list[dict]:
+def _read_file(path: str, split: str | None = None) -> list[dict]:
+    """The rows of one file. A .json holds a list of objects, or a dict with one list ({"data": [...]}) or one list
+    per split ({"train": [...], "test": [...]}, read at `split`), or, as datasets' to_json writes it, one object a
+    line."""
     if path.endswith(".jsonl"):
         return _read_jsonl(path)
     if path.endswith(".json"):
@@ -53,10 +58,11 @@ def _read_file(path: str) -> list[dict]:
             with open(path) as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
+            if e.msg == "Extra data":  # one object a line under a .json name (datasets' Dataset.to_json)
+                return _read_jsonl(path)
             raise DataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}).") from None
-        if isinstance(data, dict):  # {"data": [...]} or {"train": [...]} layouts
-            lists = [v for v in data.values() if isinstance(v, list)]
-            data = lists[0] if len(lists) == 1 else data
+        if isinstance(data, dict):
+            data = _list_of(data, path, split)
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise DataError(f"{path}: a .json dataset must be a list of objects (or use .jsonl, one object a line).")
         return data
@@ -67,22 +73,53 @@ def _read_file(path: str) -> list[dict]:
     raise DataError(f"{path}: unsupported file type; use one of {', '.join(DATA_EXTENSIONS)}.")
 
 
-# File-name stems that mark a split in a dataset folder (train.jsonl, test-00000-of-00002.parquet, ...).
+def _list_of(data: dict, path: str, split: str | None):
+    """The rows of a .json holding a dict: its only list, or the list of `split` where its keys name splits."""
+    lists = {key: value for key, value in data.items() if isinstance(value, list)}
+    if split in lists:
+        return lists[split]
+    named = sorted(key for key in lists if _names_a_split(key))
+    if named:
+        raise DataError(f"{path} holds the splits {', '.join(named)}, not {split!r}; name one of them with the split "
+                        f"flag (e.g. --dataset_split).")
+    return next(iter(lists.values())) if len(lists) == 1 else data
+
+
+# Words that mark a split in a file name (train.jsonl, test-00000-of-00002.parquet, train_prefs-00000-of-00001.parquet,
+# my_valid.json) and in the keys of a .json dict.
 SPLIT_NAMES = ("train", "test", "validation", "valid", "eval", "dev")
+SHARD_SUFFIX = re.compile(r"-\d+-of-\d+$")
+
+
+def _names_a_split(name: str) -> bool:
+    return any(word in SPLIT_NAMES for word in re.split(r"[-_. ]", name.lower()))
 
 
 def _split_of(file_name: str) -> str | None:
-    stem = file_name.split(".", 1)[0]
-    return next((name for name in SPLIT_NAMES if stem == name or stem.startswith(name + "-")), None)
+    """The split a file of a dataset folder is named for: its name without extension and shard suffix, when that
+    holds a split word (train.jsonl: "train", train_prefs-00000-of-00001.parquet: "train_prefs"); else None."""
+    stem = SHARD_SUFFIX.sub("", file_name.split(".", 1)[0])
+    return stem if _names_a_split(stem) else None
+
+
+def _pick_split(splits: set[str], split: str) -> str | None:
+    """The file split that `split` asks for: the same name, or the one name that holds it as a word (my_train for
+    train); None where no name or several do (train_prefs and train_sft for train)."""
+    if split in splits:
+        return split
+    holding = [name for name in splits if split.lower() in re.split(r"[-_. ]", name.lower())]
+    return holding[0] if len(holding) == 1 else None
 
 
 def load_records(source: str, split: str = "train") -> list[dict]:
     """Read a dataset into a list of dicts: a file, a folder of files, a saved `datasets` dataset or a `datasets`
-    name. `split` picks the split of the last two, and of a folder whose file names carry splits (train.jsonl and
-    test.jsonl, or train-00000-of-00002.parquet): only that split's files are read, and a file named for no split
-    beside them is refused rather than left out. A folder without such names is one dataset, all its files."""
+    name. `split` picks the split of the last two, of a .json whose keys name splits, and of a folder whose file
+    names carry splits (train.jsonl and test.jsonl, train-00000-of-00002.parquet, train_prefs-00000-of-00001.parquet,
+    my_train.jsonl; _split_of): only that split's files are read, a file named for no split beside them is refused
+    rather than left out, and a split that names none of them, or several (train for train_prefs and train_sft), is
+    refused too. A folder without such names is one dataset, all its files."""
     if os.path.isfile(source):
-        return _read_file(source)
+        return _read_file(source, split)
     if os.path.isdir(source):
         if os.path.exists(os.path.join(source, "dataset_dict.json")) or os.path.exists(
             os.path.join(source, "dataset_info.json")
@@ -104,12 +141,13 @@ def load_records(source: str, split: str = "train") -> list[dict]:
                 raise DataError(f"dataset folder {source} mixes files named for a split ("
                                 f"{', '.join(f for f in files if splits[f])}) with others ({', '.join(unnamed)}); "
                                 f"name every file for its split, or give the files one by one.")
-            files = [f for f in files if splits[f] == split]
-            if not files:
-                raise DataError(f"dataset folder {source} has no file of split {split!r} (it has "
-                                f"{', '.join(sorted(splits))}); name one of its splits with the split flag (e.g. "
-                                f"--dataset_split), or give that split's file.")
-        return [row for f in files for row in _read_file(os.path.join(source, f))]
+            picked = _pick_split(set(splits.values()), split)
+            if picked is None:
+                raise DataError(f"dataset folder {source} has no file of split {split!r} (its files are named for "
+                                f"{', '.join(sorted(set(splits.values())))}); name one of its splits with the split "
+                                f"flag (e.g. --dataset_split), or give that split's file.")
+            files = [f for f in files if splits[f] == picked]
+        return [row for f in files for row in _read_file(os.path.join(source, f), split)]
     if source.endswith(DATA_EXTENSIONS) or source.startswith((".", "/", "~")):
         raise DataError(f"dataset file {source} does not exist; check the path.")
     import datasets
@@ -128,6 +166,18 @@ def get_key(row: dict, key: str, index: int, source: str):
             f"Pass the right name with the matching --*_key flag."
         )
     return row[key]
+
+
+def get_labels(rows: list[dict], key: str, source: str, log=print) -> list:
+    """row[key] of every row, None where a row has none: the labels a reward function gets. Rows without one are
+    reported, with the keys they have, since a reward function that compares with the label would score them all
+    alike (a mistyped --label_key gives every prompt None)."""
+    missing = sum(key not in row for row in rows)
+    if missing:
+        example = next(row for row in rows if key not in row)
+        log(f"warning: {source}: {missing} of {len(rows)} prompts have no {key!r} (--label_key), and the reward "
+            f"function gets None as their label; the keys of the first are {sorted(example)}.")
+    return [row.get(key) for row in rows]
 
 
 def get_response(row: dict, key: str, index: int, source: str, input_key: str) -> str:
@@ -176,6 +226,29 @@ def check_one_template(apply_chat_template: bool, input_template: str | None) ->
         raise DataError("--apply_chat_template and --input_template both say how to render a prompt; give one.")
 
 
+def chat_text(tokenizer, messages: list[dict], **kwargs) -> str:
+    """The tokenizer's chat template rendered as text. What the template itself raises (a Jinja `raise_exception`
+    on roles it does not take, a TypeError on a content that is None or a list of parts) becomes a DataError, which
+    the builders put the sample's number on (sample_context)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # jinja2.TemplateError, or any error the template's code meets in these messages
+        raise DataError(f"the chat template could not render these messages ({type(e).__name__}: {e}); give them "
+                        f"the roles and the text contents it takes.") from None
+
+
+@contextlib.contextmanager
+def sample_context(source: str, index: int):
+    """Put the source and the sample's number in front of a DataError raised while reading one sample (rendering
+    errors do not know which sample they met)."""
+    try:
+        yield
+    except DataError as e:
+        if str(e).startswith(f"{source}, "):
+            raise
+        raise DataError(f"{source}, sample {index}: {e}") from None
+
+
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return the text and the character spans of the assistant turns.
 
@@ -184,13 +257,13 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     token and the policy never writes what follows it.
     """
     check_chat_template(tokenizer)
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = chat_text(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = chat_text(tokenizer, messages[: i + 1])
         if not (text.startswith(before) and text.startswith(through)):
             raise DataError(
                 "the chat template does not render a conversation's history as a prefix of the whole, so "
@@ -205,7 +278,7 @@ def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: 
     check_one_template(apply_chat_template, input_template)
     if apply_chat_template:
         check_chat_template(tokenizer)
-        return tokenizer.apply_chat_template(as_messages(prompt), tokenize=False, add_generation_prompt=True)
+        return chat_text(tokenizer, as_messages(prompt), add_generation_prompt=True)
     if isinstance(prompt, list):
         raise DataError("a prompt given as a list of messages needs --apply_chat_template.")
     if not isinstance(prompt, str):
@@ -255,21 +328,9 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
         raise DataError(f"dataset {source} is empty.")
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
-        if pretrain_mode:
-            document = get_key(row, input_key, i, source)
-            if not isinstance(document, str):  # str() would have trained on the text "None" or "['a', 'b']"
-                raise DataError(f"{source}, sample {i}: {input_key!r} must be the text to train on, got "
-                                f"{type(document).__name__} {str(document)[:40]!r}.")
-            text = (tokenizer.bos_token or "") + document + tokenizer.eos_token
-            spans = [(0, len(text))]
-        elif isinstance(row.get(input_key), list) and output_key not in row:
-            text, spans = render_chat(tokenizer, as_messages(row[input_key]))
-            if not spans:
-                raise DataError(f"{source}, sample {i}: the conversation under {input_key!r} has no assistant turn "
-                                f"to train on; add one, or give the response under --output_key.")
-        else:
-            prompt, response = get_key(row, input_key, i, source), get_response(row, output_key, i, source, input_key)
-            text, spans = render_pair(tokenizer, prompt, response, apply_chat_template, input_template)
+        with sample_context(source, i):
+            text, spans = _sft_text(row, i, tokenizer, source, input_key, output_key, apply_chat_template,
+                                    input_template, pretrain_mode)
         ids, mask = tokenize_with_spans(tokenizer, text, spans)
         mask[0] = 0  # the first token has nothing before it to be predicted from
         if len(ids) > max_len:
@@ -280,6 +341,41 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
             continue
         samples.append({"input_ids": ids, "loss_mask": mask})
     return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def _sft_text(row, i, tokenizer, source, input_key, output_key, apply_chat_template, input_template,
+              pretrain_mode) -> tuple[str, list[tuple[int, int]]]:
+    """One SFT record rendered: the text and the character spans trained on.
+
+    A conversation under input_key with no output_key trains on its assistant turns, when it ends with one; a
+    conversation that ends with another turn is a prompt, and its response must be under output_key (TRL's
+    prompt/completion layout names it "completion"): training its history would drop the real target.
+    """
+    if pretrain_mode:
+        document = get_key(row, input_key, i, source)
+        if not isinstance(document, str):  # str() would have trained on the text "None" or "['a', 'b']"
+            raise DataError(f"{source}, sample {i}: {input_key!r} must be the text to train on, got "
+                            f"{type(document).__name__} {str(document)[:40]!r}.")
+        text = (tokenizer.bos_token or "") + document + tokenizer.eos_token
+        spans = [(0, len(text))]
+    elif isinstance(row.get(input_key), list) and output_key not in row:
+        if not _ends_with_assistant(row[input_key]):
+            raise DataError(f"the conversation under {input_key!r} does not end with an assistant turn to train on, "
+                            f"and the row has no {output_key!r}; give the response under --output_key (e.g. "
+                            f"--output_key completion), or end the conversation with the assistant's turn. The keys "
+                            f"present are {sorted(row)}.")
+        if input_template is not None:
+            raise DataError(f"{input_key!r} holds a conversation, which is rendered with the tokenizer's chat "
+                            f"template; use --apply_chat_template instead of --input_template.")
+        text, spans = render_chat(tokenizer, as_messages(row[input_key]))
+    else:
+        prompt, response = get_key(row, input_key, i, source), get_response(row, output_key, i, source, input_key)
+        text, spans = render_pair(tokenizer, prompt, response, apply_chat_template, input_template)
+    return text, spans
+
+
+def _ends_with_assistant(messages: list) -> bool:
+    return bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
 
 
 def checked_samples(samples: list, source: str, max_len: int, log, truncated: int, dropped: int,
@@ -436,16 +532,20 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
             raise DataError(f"{source}, sample {i}: {margin_key!r} must be a number, got {margin!r}.")
         pair = {"margin": float(margin)}
         for side, response in (("chosen", chosen), ("rejected", rejected)):
-            pair[side], cut = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template,
-                                                 input_template, end_with_eos)
+            with sample_context(source, i):
+                pair[side], cut = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template,
+                                                     input_template, end_with_eos)
             truncated += cut
         if sum(pair["chosen"]["loss_mask"]) == 0 or sum(pair["rejected"]["loss_mask"]) == 0:
             dropped += 1
             continue
+        if pair["chosen"] == pair["rejected"]:  # they differed only in what --max_len cut off
+            identical += 1
+            continue
         samples.append(pair)
     if identical:
         log(f"warning: {source}: skipped {identical} of {len(rows)} pairs whose {chosen_key!r} and "
-            f"{rejected_key!r} are identical.")
+            f"{rejected_key!r} are identical (or differ only past --max_len {max_len}).")
     if not samples:
         raise DataError(f"{source} has no usable pair: every pair is identical or longer than --max_len {max_len} "
                         f"before its responses start.")
@@ -470,7 +570,8 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
         if not isinstance(label, bool):
             raise DataError(f"{source}, sample {i}: {label_key!r} must be true or false (a JSON boolean), "
                             f"got {label!r}.")
-        text, [(start, end)] = render_pair(tokenizer, prompt, response, apply_chat_template, input_template)
+        with sample_context(source, i):
+            text, [(start, end)] = render_pair(tokenizer, prompt, response, apply_chat_template, input_template)
         sample, cut = _tokenize_span(tokenizer, text, (start, end), max_len, end_with_eos=False)
         truncated += cut
         if sum(sample["loss_mask"]) == 0:

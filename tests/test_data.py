@@ -105,7 +105,8 @@ def test_templates_and_rows_that_would_train_on_the_wrong_text_are_one_sentence(
     with pytest.raises(data.DataError, match=r"test.jsonl, sample 1: 'text' must be the text to train on, got "
                                              r"NoneType 'None'"):
         build(tokenizer, [{"text": "a"}, {"text": None}], input_key="text", pretrain_mode=True)
-    with pytest.raises(data.DataError, match="sample 0: the conversation under 'messages' has no assistant turn"):
+    with pytest.raises(data.DataError, match="sample 0: the conversation under 'messages' does not end with an "
+                                             "assistant turn to train on, and the row has no 'response'"):
         build(tokenizer, [{"messages": [{"role": "user", "content": "hi"}]}], input_key="messages")
     with pytest.raises(data.DataError, match="a prompt must be text .*got int '7'"):
         build(tokenizer, [{"prompt": 7, "response": "5"}])
@@ -240,6 +241,80 @@ def test_a_folder_of_per_split_files_is_read_one_split_at_a_time(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"p": "a"}])}).save_to_disk(saved)
     with pytest.raises(data.DataError, match=r"has no split 'test'; its splits are \['train'\]"):
         data.load_records(saved, "test")
+
+
+def test_split_names_beyond_the_bare_word_are_split_names(tmp_path):
+    """UltraFeedback-binarized ships train_prefs-00000-of-00001.parquet beside test_prefs-...; users write
+    my_train.jsonl and my_test.jsonl. Neither was taken for a split, so the folder was read whole: the test rows were
+    trained on."""
+    write = lambda folder, name, rows: (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hub, own = tmp_path / "hub", tmp_path / "own"
+    hub.mkdir(), own.mkdir()
+    for split in ("train_prefs", "test_prefs", "train_sft"):
+        write(hub, f"{split}-00000-of-00001.jsonl", [{"p": split}])
+    assert data.load_records(str(hub), "test_prefs") == [{"p": "test_prefs"}]
+    with pytest.raises(data.DataError, match=r"has no file of split 'train' \(its files are named for test_prefs, "
+                                             r"train_prefs, train_sft\)"):
+        data.load_records(str(hub), "train")  # two names hold "train": the user must say which
+    write(own, "my_train.jsonl", [{"p": "a"}])
+    write(own, "my_test.jsonl", [{"p": "b"}])
+    assert data.load_records(str(own), "train") == [{"p": "a"}] and data.load_records(str(own), "test") == [{"p": "b"}]
+
+
+def test_a_json_of_splits_and_a_json_of_lines(tmp_path):
+    """{"train": [...], "test": [...]} was refused and {"test": [...]} read as training data; datasets'
+    Dataset.to_json writes one object a line under a .json name, which was refused as invalid JSON."""
+    import datasets
+
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": [{"p": "a"}], "test": [{"p": "b"}]}))
+    assert data.load_records(str(splits), "test") == [{"p": "b"}]
+    only_test = tmp_path / "only_test.json"
+    only_test.write_text(json.dumps({"test": [{"p": "b"}]}))
+    with pytest.raises(data.DataError, match=r"holds the splits test, not 'train'; name one of them with the split"):
+        data.load_records(str(only_test), "train")
+    lines = str(tmp_path / "lines.json")
+    datasets.Dataset.from_list([{"p": "a"}, {"p": "b"}]).to_json(lines)
+    assert data.load_records(lines) == [{"p": "a"}, {"p": "b"}]
+
+
+def test_a_conversation_that_ends_before_its_response_needs_the_response_key(tokenizer):
+    """TRL's prompt/completion layout: a conversation prompt and its response under "completion". Without
+    --output_key completion, SFT trained on the history's assistant turn and dropped the completion, silently."""
+    row = {"prompt": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "HISTORY"},
+                      {"role": "user", "content": "q2"}], "completion": "TARGET"}
+    with pytest.raises(data.DataError, match=r"test.jsonl, sample 0: the conversation under 'prompt' does not end "
+                                             r"with an assistant turn to train on, and the row has no 'response'"):
+        build(tokenizer, [row])
+    (sample,) = build(tokenizer, [row], output_key="completion", apply_chat_template=True)
+    assert masked_text(tokenizer, sample) == "TARGET<eos>"
+    with pytest.raises(data.DataError, match="use --apply_chat_template instead of --input_template"):
+        build(tokenizer, [{"prompt": row["prompt"][:2]}], input_template="Q: {} A:")
+
+
+def test_what_a_chat_template_raises_is_one_sentence_naming_the_sample(tokenizer):
+    """A content of None (tool calls) or a template's raise_exception surfaced as a Jinja traceback."""
+    rows = [{"prompt": "fine", "response": "5"}, {"prompt": [{"role": "user", "content": None}], "response": "5"}]
+    with pytest.raises(data.DataError, match=r"^test.jsonl, sample 1: the chat template could not render these "
+                                             r"messages \(TypeError: .*\); give them the roles"):
+        build(tokenizer, rows, apply_chat_template=True)
+
+
+def test_pairs_that_differ_only_past_max_len_are_skipped_as_identical(tokenizer):
+    rows = [{"prompt": "What is 2+3?", "chosen": "5 " + "a" * 40 + " yes", "rejected": "5 " + "a" * 40 + " no"},
+            {"prompt": "What is 2+3?", "chosen": "5", "rejected": "6"}]
+    logged = []
+    samples = data.build_preference_samples(rows, tokenizer, "pairs.jsonl", "prompt", "chosen", "rejected", 24,
+                                            log=logged.append)
+    assert len(samples) == 1 and "skipped 1 of 2 pairs" in logged[0] and "past --max_len 24" in logged[0]
+
+
+def test_prompts_without_their_label_are_reported():
+    logged = []
+    rows = [{"question": "2+3?", "answer": "5"}, {"question": "1+1?", "label": "2"}]
+    assert data.get_labels(rows, "label", "p.jsonl", logged.append) == [None, "2"]
+    assert logged == ["warning: p.jsonl: 1 of 2 prompts have no 'label' (--label_key), and the reward function gets "
+                      "None as their label; the keys of the first are ['answer', 'question']."]
 
 
 def test_the_samples_an_epoch_leaves_out_are_reported():
