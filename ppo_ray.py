@@ -831,7 +831,8 @@ def load_prompts(args, tokenizer, source, split_name) -> list[dict]:
     if not rows:
         raise DataError(f"prompt dataset {source} is empty.")
     prompts, skipped = [], 0
-    labels = get_labels(rows, args.label_key, source) if args.reward_fn or args.remote_rm_url else [None] * len(rows)
+    read = args.reward_fn or args.remote_rm_url or args.env_fn  # what gets the labels: said when they are missing
+    labels = get_labels(rows, args.label_key, source, print if read else lambda message: None)
     for i, row in enumerate(rows):
         prompt = get_key(row, args.input_key, i, source)
         with sample_context(source, i):

@@ -408,8 +408,8 @@ def main(args: Args):
     if not rows:
         raise data.DataError(f"dataset {args.dataset} is empty.")
     all_prompts = [data.get_key(row, args.input_key, i, args.dataset) for i, row in enumerate(rows)]
-    all_labels = (data.get_labels(rows, args.label_key, args.dataset) if args.reward_fn or args.remote_rm_url
-                  else [None] * len(rows))
+    read = args.reward_fn or args.remote_rm_url  # what gets the labels: said when they are missing
+    all_labels = data.get_labels(rows, args.label_key, args.dataset, print if read else lambda message: None)
     all_ids = tokenize_prompts(tokenizer, all_prompts, args, args.dataset)
 
     state = load_state(args)

@@ -113,6 +113,22 @@ def test_the_overlong_penalty_counts_the_environments_tokens_as_the_budget_does(
     assert scores.tolist() == [0.0] and metrics["rewards/overlong_penalty"].item() == -1.0
 
 
+@pytest.mark.parametrize("flags", [{"env_fn": "sum_env.py:make_env", "reward_fn": None},
+                                   {"reward_fn": "r.py:f"}, {"reward_pretrain": ["rm"], "reward_fn": None}])
+def test_prompts_keep_their_labels_for_whatever_reads_them(tmp_path, capsys, flags):
+    """The environment's reset gets each prompt's label, as a reward function does; prompts that lack one are
+    reported only where something reads them (the first version of the report dropped them for --env_fn)."""
+    import ppo_ray
+
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "What is 2+3?", "label": "5"}) + "\n"
+                      + json.dumps({"prompt": "What is 1+1?"}) + "\n")
+    args = ppo_ray.Args(**{"pretrain": "unused", "prompt_max_len": 64, **flags})
+    prompts = ppo_ray.load_prompts(args, build_tokenizer(), str(source), "train")
+    assert [p["label"] for p in prompts] == ["5", None]
+    assert ("1 of 2 prompts have no 'label'" in capsys.readouterr().out) == ("reward_pretrain" not in flags)
+
+
 def test_the_environment_pays_for_the_direction_of_the_next_guess():
     env = make_env()
     assert env.reset("What is 2+3?", "5") is None
