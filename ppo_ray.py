@@ -330,7 +330,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
     token's J_t (the truncated importance ratio of --vllm_is_correction). `agg`: tricks.aggregate.
     Returns (loss, clip fraction, approximate KL between the old and new policy).
     """
-    log_ratio = logprobs - old_logprobs
+    # padding may hold anything (another micro-batch's layout): an exp that overflows there makes the gradient NaN
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
     ratio = log_ratio.exp()
     surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
     if dual_clip is not None:
@@ -712,7 +713,7 @@ class ActorWorker(ReferenceWorker):
                     logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip,
                     mb.get("is_weights"), loss_agg(args), args.generate_max_len)
                 if args.advantage_estimator in KL_IN_LOSS and "ref_logprobs" in mb:  # GRPO's KL: k3, in the loss
-                    kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3")
+                    kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3", mask)
                     loss = loss + kl_coef * tricks.aggregate(kl, mask, loss_agg(args), args.generate_max_len)
                 mean_entropy = tricks.masked_mean(entropy, mask)
                 loss = loss - args.entropy_coef * mean_entropy

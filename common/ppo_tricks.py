@@ -164,15 +164,18 @@ def groups_with_a_spread(scores: torch.Tensor, n_samples_per_prompt: int, eps: f
 
 
 # ----------------------------------------------------------------------------------------------- KL
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the log probs of tokens sampled from the policy.
 
     With log_ratio = logprobs - ref_logprobs (http://joschu.net/blog/kl-approx.html):
     - "k1": log_ratio. Unbiased, high variance, negative on some tokens.
     - "k2": 0.5 * log_ratio^2. Biased, low variance, never negative.
     - "k3": exp(-log_ratio) - 1 + log_ratio. Unbiased, low variance, never negative (r - 1 - log r >= 0 for r > 0).
+    With a `mask`, the estimate is 0 outside it: k3's exp of whatever padding holds could overflow, and a masked-out
+    inf still makes the gradient NaN.
     """
-    log_ratio = logprobs - ref_logprobs
+    log_ratio = logprobs - ref_logprobs if mask is None else torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
     if kind == "k1":
         return log_ratio
     if kind == "k2":

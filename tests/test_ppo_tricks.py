@@ -474,6 +474,26 @@ def test_clip_higher_and_dual_clip_worked_by_hand():
     assert surrogate(clip_low=0.2, clip_high=0.2, weights=weights)[0] == pytest.approx(2.4 - 1.25 - 0.9 + 1.2)
 
 
+def test_padding_that_would_overflow_exp_leaves_the_gradients_finite():
+    """The update's micro-batches are laid out apart from the experience's, so at padding and prompt columns the
+    old and reference log-probs (zero-padded) face real log-probs of the pad token; at a low temperature their
+    difference passes exp's range (~88.7). The loss masked that inf out, but its gradient was 0 * inf = NaN, and one
+    step spread it to every weight."""
+    logits = torch.zeros(1, 4, requires_grad=True)  # stands for the model's output
+    # columns 2-3 are not response tokens: a pad token's log-prob at temperature 0.3 in the update, 0 where its
+    # micro-batch starts later; the experience had the other layout (a prompt token's log-prob, or 0)
+    logprobs = logits + torch.tensor([[-1.0, -2.0, -100.0, 0.0]])
+    old = torch.tensor([[-1.1, -1.9, 0.0, -100.0]])
+    ref = torch.tensor([[-1.2, -1.8, 0.0, -100.0]])
+    mask = torch.tensor([[1, 1, 0, 0]])
+    advantages = torch.tensor([[1.0, -1.0, 0.0, 0.0]])
+    loss, _, _ = ppo_ray.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2)
+    kl = kl_penalty(logprobs, ref, "k3", mask)
+    (loss + aggregate(kl, mask, "token-mean")).backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[0, 2:] == 0).all() and (logits.grad[0, :2] != 0).all()
+    assert kl[0, 2:].tolist() == [0.0, 0.0] and (kl[0, :2] > 0).all()
+
+
 def test_truncated_importance_weights_worked_by_hand():
     old = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
     vllm = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]])  # ratios 1, e, e^-0.5; the last is not a response token
