@@ -183,11 +183,12 @@ def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, to
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-def collate(samples, tokenizer, max_len, packing: bool, dev) -> dict:
-    """The samples, then each prompt with the next sample's response (KTO's mismatched pairs), padded into one
-    (2 * batch, seq) batch or packed into one (1, total) row: one forward pass scores both."""
-    mismatched = [data.mismatched_pair(tokenizer, sample, other, max_len)
-                  for sample, other in zip(samples, samples[1:] + samples[:1])]
+def collate(samples, tokenizer, max_len, packing: bool, dev, partners=None) -> dict:
+    """The samples, then each prompt with the next sample's response (KTO's mismatched pairs; `partners` gives the
+    responses instead), padded into one (2 * batch, seq) batch or packed into one (1, total) row: one forward pass
+    scores both."""
+    partners = partners or samples[1:] + samples[:1]
+    mismatched = [data.mismatched_pair(tokenizer, sample, other, max_len) for sample, other in zip(samples, partners)]
     sequences = samples + mismatched
     batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
     batch["labels"] = torch.tensor([s["label"] for s in samples])  # (batch,)
@@ -204,7 +205,9 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:2]  # every rank runs the same number of steps
         counts = bool(mine[i: i + args.micro_train_batch_size])
-        batch = collate(chunk, tokenizer, args.max_len, args.packing_samples, device())
+        # a lone sample would be its own "next sample": z0 would be its own reward. Another eval sample's response
+        partners = [samples[1] if chunk[0] is samples[0] else samples[0]] if len(chunk) == 1 else None
+        batch = collate(chunk, tokenizer, args.max_len, args.packing_samples, device(), partners)
         (logps, kl_logps) = forward_logps(engine, batch)
         ref_logps, ref_kl_logps = ref_forward_logps(engine, ref_engine, batch)
         kl = kl_reference_point(kl_logps, ref_kl_logps, counts)
@@ -265,6 +268,9 @@ def main(args: Args):
 
     train_samples = load_samples(args.dataset, args.dataset_split)
     eval_samples = load_samples(args.eval_dataset, args.eval_dataset_split) if args.eval_dataset else []
+    if len(eval_samples) == 1:
+        raise data.DataError(f"{args.eval_dataset} has 1 usable sample; KTO's reference point pairs each prompt with "
+                             "another sample's response, so give an eval set of at least 2.")
     steps_per_epoch = len(train_samples) // args.train_batch_size
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "

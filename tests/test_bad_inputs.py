@@ -248,6 +248,15 @@ def test_training_data_faults_name_the_file_and_the_fix(script, fault, tiny_mode
     assert str(dataset) in stderr or fault == "batch sizes that do not divide"
 
 
+def test_a_kto_eval_set_of_one_sample_is_refused(tiny_model, task, tmp_path, capsys):
+    """KTO's reference point pairs each prompt with another sample's response: one eval sample has none."""
+    dataset = tmp_path / "eval.jsonl"
+    dataset.write_text(json.dumps(GOOD_ROW["kto"]) + "\n")
+    out = str(tmp_path / "out")
+    code, stderr = run_in_process("kto", command("kto", tiny_model, task, out, "--eval_dataset", str(dataset)), capsys)
+    check_refused(code, stderr, "has 1 usable sample; KTO's reference point pairs each prompt with another", out)
+
+
 def test_ppo_ray_refuses_to_resume_a_checkpoint_of_other_settings(tiny_model, task, tmp_path, capsys):
     """Another --rollout_batch_size would walk the prompts in another order from the saved step: silently other
     data. The check runs before Ray starts, and the checkpoint is left as it was."""

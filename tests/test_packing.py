@@ -3,6 +3,7 @@ or log-probs, loss and gradients, on the default tiny model and on a tied-embedd
 whose samples can see each other does not, which shows these comparisons can fail."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -233,6 +234,31 @@ def test_kto_packed_logps_loss_and_gradients_equal_padded(model_dir, tokenizer, 
     with torch.no_grad():
         leaked = torch.cat(kto.forward_logps(policy, leaky(packed)))
     assert_leaks(leaked, logps[0][: 2 * len(samples)])
+
+
+def test_kto_evaluation_never_pairs_a_lone_sample_with_its_own_response(model_dir, tokenizer, one_rank_group,
+                                                                          monkeypatch):
+    """An eval chunk of one sample (9 samples, micro-batch 8) made the sample its own "next sample": z0 was its own
+    log-ratio, and eval/loss moved with it. Every mismatched row is now another sample's response."""
+    rows = [{"prompt": r["prompt"], "response": r["chosen"] if i % 2 else r["rejected"], "label": bool(i % 2)}
+            for i, r in enumerate(pair_rows(9))]
+    samples = data.build_kto_samples(rows, tokenizer, "kto.jsonl", "prompt", "response", "label", MAX_LEN,
+                                     apply_chat_template=True, log=lambda m: None)
+    policy, reference = policy_and_reference(model_dir)
+    collate, seen = kto.collate, []
+
+    def recording(chunk, *args, **kwargs):
+        batch = collate(chunk, *args, **kwargs)
+        seen.append((len(chunk), batch["input_ids"]))
+        return batch
+
+    monkeypatch.setattr(kto, "collate", recording)
+    args = kto.Args(pretrain=model_dir, dataset="unused", micro_train_batch_size=8, max_len=MAX_LEN)
+    metrics = kto.evaluate(policy, reference, samples, args, tokenizer, rank=0, world_size=1)
+    assert [n for n, _ in seen] == [8, 1] and math.isfinite(metrics["eval/loss"])
+    for n, input_ids in seen:
+        for own, mismatched in zip(input_ids[:n], input_ids[n:]):
+            assert not torch.equal(own, mismatched)
 
 
 # ------------------------------------------------------------------------------------- families that cannot pack
