@@ -71,8 +71,8 @@ from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_
                          check_output_dir, check_packing, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
                                save_train_state, write_atomically)
-from common.data import (DataError, build_sft_samples, get_key, get_labels, load_records, pad_collate, render_prompt,
-                         reward_model_input_ids, sample_context, stream_indices)
+from common.data import (DataError, build_sft_samples, decode_response, get_key, get_labels, load_records, pad_collate,
+                         render_prompt, reward_model_input_ids, sample_context, stream_indices)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer, trained_zero_stage)
 from common.logging_utils import MetricsLogger, progress, timed
@@ -482,7 +482,8 @@ def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[l
     if args.env_fn:  # the episodes' summed rewards
         scores, metrics = episode_scores(args, samples)
     else:
-        responses = [tokenizer.decode(s["token_ids"], skip_special_tokens=True) for group in samples for s in group]
+        responses = [decode_response(tokenizer, p["ids"], s["token_ids"]) for p, group in zip(prompts, samples)
+                     for s in group]
         scores, metrics = score(args, tokenizer, roles["rewards"], reward_fn,
                                 [p["prompt"] for p in prompts for _ in range(n)], responses,
                                 [p["label"] for p in prompts for _ in range(n)])
@@ -1158,7 +1159,8 @@ def evaluate(args: Args, roles: dict, tokenizer, reward_fn, eval_prompts: list[d
     eval_samples.jsonl, to read."""
     samples = respond(args, roles, eval_prompts, 1, 0.0, tokenizer)
     # an episode's text shows the turns' markers, which tell the policy's turns from the environment's
-    texts = [tokenizer.decode(s[0]["token_ids"], skip_special_tokens=not args.env_fn) for s in samples]
+    texts = [decode_response(tokenizer, s[0].get("prompt_ids", p["ids"]), s[0]["token_ids"],
+                             skip_special_tokens=not args.env_fn) for p, s in zip(eval_prompts, samples)]
     if args.env_fn:
         total, parts = episode_scores(args, samples)
     else:

@@ -441,7 +441,8 @@ def main(args: Args):
                                               args, args.dataset)
             token_ids, seconds["sampling"] = generate(args, policy, sample_ids, args.seed + k * args.vllm_num_engines,
                                                       f"iteration {k}: generate")
-            responses = [[tokenizer.decode(ids, skip_special_tokens=True) for ids in samples] for samples in token_ids]
+            responses = [[data.decode_response(tokenizer, ids, response) for response in samples]
+                         for ids, samples in zip(sample_ids, token_ids)]
             write_jsonl(files["generations"], [{"prompt": p, "label": label, "responses": texts}
                                                for p, label, texts in zip(prompts, labels, responses)])
             seconds["generate"] = time.time() - start

@@ -20,7 +20,7 @@ appended as it is, and the environment formats it.
 """
 
 from common.args import UserError
-from common.data import render_prompt
+from common.data import decode_response, render_prompt
 
 SENTINEL = "\x00action\x00"  # stands for a policy turn while the chat template renders what comes after it
 
@@ -101,13 +101,13 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
         outs = generate([e["prompt_ids"] + e["token_ids"] for e in active],
                         [max_len - len(e["token_ids"]) for e in active])
         for e, out in zip(active, outs):
-            tokens = out["token_ids"]
+            tokens, before = out["token_ids"], e["prompt_ids"] + e["token_ids"]
             e["token_ids"] += tokens
             e["logprobs"] += out["logprobs"] or [0.0] * len(tokens)
             e["env_mask"] += [1] * len(tokens)
             e["turns"] += 1
             e["finish_reason"] = out["finish_reason"]
-            reply, reward, done = checked_step(e["env"], tokenizer.decode(tokens, skip_special_tokens=True))
+            reply, reward, done = checked_step(e["env"], decode_response(tokenizer, before, tokens))
             e["reward"] += reward
             if done or turn == max_turns - 1 or out["finish_reason"] == "length":
                 e["done"] = True

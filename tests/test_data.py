@@ -415,3 +415,46 @@ def test_stream_indices_walk_every_sample_once_per_pass_and_can_be_recomputed():
     assert sorted(second_pass) == list(range(10)) and second_pass != first_pass
     assert data.stream_indices(10, 10, seed=2, start=0) != first_pass
     assert data.stream_indices(3, 7, seed=0, start=0)[:3] == data.stream_indices(3, 3, seed=0, start=0)
+
+
+def sentencepiece_style_tokenizer(decoder):
+    """A Metaspace BPE tokenizer as Llama-2 and Mistral ship (their decoders drop a sequence's first space)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoder
+    corpus = ["Question: what is two plus two? Answer: The answer is four", "The cat sat"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, show_progress=False,
+                                                          special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "llama-2"])
+def test_a_sampled_response_reads_as_it_does_after_its_prompt(kind, tokenizer):
+    """Rejection sampling writes, and rewards read, the response's text: decoded alone, a SentencePiece response
+    lost its first space ("Answer:The"), and SFT on that text trained on other tokens than the policy sampled."""
+    from tokenizers import decoders
+
+    decoder = (decoders.Metaspace(replacement="▁", prepend_scheme="first") if kind == "metaspace" else
+               decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                  decoders.Strip(" ", 1, 0)]))
+    spm = sentencepiece_style_tokenizer(decoder)
+    template, prompt = "Question: {} Answer:", "what is two plus two?"
+    prompt_ids = spm(template.format(prompt), add_special_tokens=False)["input_ids"]
+    whole = spm(template.format(prompt) + " The answer is four", add_special_tokens=False)["input_ids"]
+    assert whole[: len(prompt_ids)] == prompt_ids
+    sampled = whole[len(prompt_ids):] + [spm.eos_token_id]
+    assert spm.decode(sampled, skip_special_tokens=True) == "The answer is four"  # the loss this guards against
+
+    text = data.decode_response(spm, prompt_ids, sampled)
+    assert text == " The answer is four"
+    sample = data.build_sft_samples([{"prompt": prompt, "response": text}], spm, "rows", "prompt", "response", 64,
+                                    input_template=template)[0]
+    assert [i for i, m in zip(sample["input_ids"], sample["loss_mask"]) if m] == sampled
+    # byte-level BPE (the fixtures, Llama-3, Qwen) loses nothing either way
+    ids = tokenizer("Q: 2+2? A:", add_special_tokens=False)["input_ids"]
+    answer = tokenizer(" four", add_special_tokens=False)["input_ids"]
+    assert data.decode_response(tokenizer, ids, answer) == tokenizer.decode(answer) == " four"
