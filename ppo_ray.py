@@ -952,9 +952,9 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
     cpus = args.cpus_per_worker
     gpu_layout = {"actor": args.actor_num_workers,
                   "reference": 0 if args.colocate_actor_ref or args.colocate_all or args.lora_rank
-                  else args.ref_num_workers,
+                  or not uses_reference(args) else args.ref_num_workers,
                   "critic": args.critic_num_workers if use_critic and not args.colocate_all else 0,
-                  "reward models": 0 if args.colocate_critic_reward or args.colocate_all
+                  "reward models": 0 if (args.colocate_critic_reward and use_critic) or args.colocate_all
                   else args.reward_num_workers * len(reward_paths),
                   "vLLM": 0 if args.colocate_all else args.vllm_num_engines * args.vllm_tensor_parallel_size}
     lora.check_args(args, gpu=use_gpus())
@@ -996,7 +996,7 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
     roles["rewards"] = []
     for i, path in enumerate(reward_paths):
         pg = critic_pg if (args.colocate_critic_reward and critic_pg) else (
-            shared or make_placement_group(args.reward_num_workers, cpus, "reward"))
+            shared or make_placement_group(args.reward_num_workers, cpus, f"reward model {i + 1}"))  # one name each
         roles["rewards"].append(start(RewardModelWorker, pg, shares["reward model"], args=(args, path),
                                       role=f"reward model {i + 1}"))
     wait_for_engines(engines, warm_up)

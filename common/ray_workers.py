@@ -125,6 +125,21 @@ def use_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
+def gpu_rank_threads() -> dict[str, str]:
+    """On GPUs, the OMP_NUM_THREADS of a trainer rank: its GPU's share of its node's cores (the fewest of any node).
+
+    Ray starts an actor that asks for less than one CPU with OMP_NUM_THREADS=1, so DeepSpeed's CPU Adam
+    (--offload_optimizer), which steps on OpenMP threads, and every CPU op of torch ran on one core. (Without GPUs,
+    share_cores splits the cores per phase instead.) A value the driver was started with is passed on as it is."""
+    if not use_gpus():
+        return {}
+    if "OMP_NUM_THREADS" in os.environ:
+        return {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
+    per_gpu = min(node["Resources"].get("CPU", 0) // node["Resources"]["GPU"] for node in ray.nodes()
+                  if node["Alive"] and node["Resources"].get("GPU"))
+    return {"OMP_NUM_THREADS": str(max(1, int(per_gpu)))}
+
+
 def check_resources(needed: dict[str, float]) -> None:
     """Fail in one sentence, before anything starts, when the cluster has fewer CPUs/GPUs than the layout needs."""
     kind = "GPU" if use_gpus() else "CPU"
@@ -188,11 +203,12 @@ class WorkerGroup:
         role = self.role = role or cls.__name__
         num_workers = len(pg.bundle_specs)
         self.resources = {"num_gpus": share, "num_cpus": share} if use_gpus() else {"num_cpus": share * cpus_per_bundle}
+        env = {**gpu_rank_threads(), **(env or {})}
         self.actors = [
             ray.remote(cls).options(
                 **self.resources,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": env or {}},
+                runtime_env={"env_vars": env},
             ).remote()
             for i in range(num_workers)
         ]

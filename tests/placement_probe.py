@@ -21,7 +21,8 @@ def report() -> dict:
             "gpu_share": sum(v for k, v in granted.items() if k == "GPU" or k.startswith("GPU_group_")
                              and k.count("_") == 2),
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "RANK": os.environ.get("RANK"), "LOCAL_RANK": os.environ.get("LOCAL_RANK")}
+            "RANK": os.environ.get("RANK"), "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
 
 
 class ProbeWorker(RayWorker):

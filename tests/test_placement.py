@@ -245,6 +245,32 @@ def test_oversubscribed_bundles_are_refused_before_placing(flags, words, model):
 
 
 @pytest.mark.slow
+def test_reward_models_on_gpus_of_their_own_and_each_rank_s_cpu_threads(model, probes, monkeypatch):
+    """Two reward models, each on GPUs of its own: their placement groups had one name, which Ray refuses for the
+    second. The up-front count has them where no critic takes them in (it had 0) and no reference at --init_kl_coef 0
+    (it had 1, and refused this layout on 4 GPUs). Every trainer rank gets its GPU's share of the node's cores as
+    OMP_NUM_THREADS: Ray gave a rank asking for under one CPU a single thread, on which DeepSpeed's CPU Adam
+    (--offload_optimizer) stepped."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args = layout_args(["--pretrain", "$SFT", "--advantage_estimator", "grpo", "--init_kl_coef", "0",
+                        "--reward_pretrain", "$A", "$B"], model)
+    cluster = start_cluster(1, gpus=4, cpus=16)
+    try:
+        # without a critic to sit beside, --colocate_critic_reward leaves them on GPUs of their own, counted up front
+        crowded = layout_args(["--pretrain", "$SFT", "--advantage_estimator", "grpo", "--colocate_critic_reward",
+                               "--reward_num_workers", "2", "--reward_pretrain", "$A", "$B"], model)
+        with pytest.raises(UserError, match=r"needs 7 GPUs \(actor 1, reference 1, reward models 4, vLLM 1\) but "
+                                            r"the Ray cluster has 4 \(4 free\)"):
+            ppo_ray.place_roles(crowded, 1)
+        ranks, workers, transports = place(args)
+    finally:
+        stop_cluster(cluster)
+    assert sorted(r["role"] for r in ranks) == ["actor", "reward model 1", "reward model 2"]
+    assert len({gpu(r) for r in ranks + workers}) == 4
+    assert all(r["OMP_NUM_THREADS"] == "4" for r in ranks), ranks
+
+
+@pytest.mark.slow
 def test_colocate_all_on_cpu_places_the_engines_on_the_shared_bundles(model, probes):
     """On CPU the engine asked for a whole bundle that the roles already held 0.2 x 4 of, and waited forever."""
     args = layout_args(["--pretrain", "$SFT", "--colocate_all", "--actor_num_workers", "2",
