@@ -607,11 +607,11 @@ def reward_model_input_ids(tokenizer, prompt, response: str, max_len: int, apply
 def decode_response(tokenizer, prompt_ids: list[int], response_ids: list[int], skip_special_tokens: bool = True) -> str:
     """The text of a sampled response as it reads after its prompt.
 
-    Decoded alone, a response loses what its first token says at a sequence's start: SentencePiece decoders (Llama-2,
-    Mistral) drop the leading space of "▁The", so the text a reward reads, or that rejection sampling hands SFT, is
-    "Answer:The" where the policy wrote "Answer: The". Decoding after the prompt and cutting the prompt's text off
-    keeps it; where the prompt's text is not a prefix of the whole (a character split between the two), the response
-    is decoded alone.
+    Decoded alone, a response can lose its first character: SentencePiece decoders (Llama-2, Mistral) drop the
+    leading space of a sequence's first token ("▁The"), so the text a reward read, or that rejection sampling handed
+    SFT, was "Answer:The" where the policy wrote "Answer: The". Decoding after the prompt and cutting the prompt's
+    text off keeps it; where the prompt's text is not a prefix of the whole (a character split between the two), the
+    response is decoded alone.
     """
     prefix = tokenizer.decode(prompt_ids, skip_special_tokens=skip_special_tokens)
     whole = tokenizer.decode(list(prompt_ids) + list(response_ids), skip_special_tokens=skip_special_tokens)
