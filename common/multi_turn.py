@@ -31,7 +31,8 @@ def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None)
     With a chat template: whatever the template writes after an assistant message up to the next assistant turn's
     opening, i.e. the end-of-turn marker (and the newline some templates put after it), the reply as a user message,
     and the generation prompt. `closed_by`: the text of the special token that ended the policy's turn (vLLM stops
-    at the end-of-turn token and keeps it), which is then not written twice.
+    at the end-of-turn token and keeps it), which is then not written twice, nor the whitespace a template writes
+    before it (the policy's turn, up to its end token, is the policy's own).
     """
     if not chat_template:
         return tokenizer(reply, add_special_tokens=False)["input_ids"]
@@ -39,8 +40,8 @@ def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None)
                 {"role": "user", "content": reply}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     after = text[text.index(SENTINEL) + len(SENTINEL):]
-    if closed_by and after.startswith(closed_by):
-        after = after[len(closed_by):]
+    if closed_by and after.lstrip().startswith(closed_by):  # Llama-2 writes " " + eos_token after the content
+        after = after.lstrip()[len(closed_by):]
     return tokenizer(after, add_special_tokens=False)["input_ids"]
 
 

@@ -37,18 +37,26 @@ def scripted_policy(tokenizer, answers: list[str], truncate_at: int | None = Non
     return generate, calls
 
 
-@pytest.mark.parametrize("chat_format", ["default", "chatml"])
+# Llama-2-chat's shape: the assistant's turn is " " + content + " " + EOS, each user turn opens with BOS
+LLAMA2_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'].strip()"
+                   " + ' [/INST]' }}{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("chat_format", ["default", "chatml", "llama-2"])
 def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
     """Two wrong answers, then the right one: the episode's tokens are exactly the template's rendering of that
-    conversation (ChatML puts a newline after each end-of-turn token, the default template does not), and only the
-    policy's own tokens are marked as trainable."""
-    tokenizer = build_tokenizer(chat_format=chat_format)
+    conversation (ChatML puts a newline after each end-of-turn token, the default template does not, Llama-2 a space
+    before it, which wrote the EOS a second time), and only the policy's own tokens are marked as trainable."""
+    tokenizer = build_tokenizer(chat_format="default" if chat_format == "llama-2" else chat_format)
+    if chat_format == "llama-2":
+        tokenizer.chat_template = LLAMA2_TEMPLATE
+    turn = " {} " if chat_format == "llama-2" else "{}"  # what the policy writes before its end-of-turn token
     question = "What is 2+3?"
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                          add_generation_prompt=True)
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as ppo_ray.py's load_prompts
     prompt = {"prompt": question, "ids": prompt_ids, "label": "5"}
-    generate, calls = scripted_policy(tokenizer, ["4", "7", "5"])
+    generate, calls = scripted_policy(tokenizer, [turn.format(answer) for answer in "475"])
 
     [[episode]] = run_episodes(generate, make_env, tokenizer, [prompt], 1, max_turns=4, max_len=64,
                                chat_template=True, input_template=None, prompt_max_len=64)
@@ -62,7 +70,7 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
     # 4, told higher: 7 (followed, 1), told lower: 5 (followed and right, 2)
     assert episode["reward"] == 3.0 and episode["turns"] == 3 and len(calls) == 3
     policy = [t for t, m in zip(episode["token_ids"], episode["env_mask"]) if m]
-    assert tokenizer.decode(policy) == "4" + tokenizer.eos_token + "7" + tokenizer.eos_token + "5" + tokenizer.eos_token
+    assert tokenizer.decode(policy) == "".join(turn.format(answer) + tokenizer.eos_token for answer in "475")
     assert [lp for lp, m in zip(episode["logprobs"], episode["env_mask"]) if not m] == [0.0] * (
         len(episode["env_mask"]) - sum(episode["env_mask"]))
     # each turn continued the sequence so far, with the tokens left of the budget as its limit
