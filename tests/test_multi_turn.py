@@ -38,8 +38,9 @@ def scripted_policy(tokenizer, answers: list[str], truncate_at: int | None = Non
 
 
 # Llama-2-chat's shape: the assistant's turn is " " + content + " " + EOS, each user turn opens with BOS
-LLAMA2_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + m['content'].strip()"
-                   " + ' [/INST]' }}{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+LLAMA2_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}"
+                   "{{ bos_token + '[INST] ' + m['content'].strip() + ' [/INST]' }}"
+                   "{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
 
 
 @pytest.mark.parametrize("chat_format", ["default", "chatml", "llama-2"])
