@@ -45,6 +45,13 @@ def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None)
     return tokenizer(after, add_special_tokens=False)["input_ids"]
 
 
+def is_added_token(tokenizer, token_id: int) -> bool:
+    """Whether `token_id` is a special or added token, as end-of-turn tokens are. Some are not listed among the
+    tokenizer's special tokens, though vLLM stops at them (through the model's generation_config): Phi-3's <|end|>,
+    a Llama-3 base model's <|eot_id|>."""
+    return token_id in tokenizer.all_special_ids or token_id in tokenizer.added_tokens_decoder
+
+
 def first_ids(tokenizer, env, prompt: dict, chat_template: bool, input_template: str | None,
               prompt_max_len: int) -> list[int]:
     """The episode's start: reset's first message rendered as a prompt, or the prompt's own ids when it gives None."""
@@ -114,7 +121,7 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
                 e["done"] = True
                 continue
             closed_by = (tokenizer.convert_ids_to_tokens(tokens[-1]) if tokens and out["finish_reason"] == "stop"
-                         and tokens[-1] in tokenizer.all_special_ids else None)
+                         and is_added_token(tokenizer, tokens[-1]) else None)
             more = reply_ids(tokenizer, reply, chat_template, closed_by)
             if len(e["token_ids"]) + len(more) >= max_len:  # no room for the reply and a turn after it
                 e["done"], e["finish_reason"] = True, "length"

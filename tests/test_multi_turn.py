@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, SEED, expect, mean, metrics, run_script
 from sum_env import make_env
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from common.args import UserError
 from common.data import load_records, render_prompt
@@ -17,17 +17,19 @@ from common.multi_turn import run_episodes
 from common.tiny_model import build_tokenizer
 
 
-def scripted_policy(tokenizer, answers: list[str], truncate_at: int | None = None):
-    """A stand-in for vLLM: turn k of every episode answers answers[k], ended by the end-of-turn (EOS) token the way
-    vLLM returns it, unless cut at `truncate_at` tokens; records the sequences and limits it was given."""
+def scripted_policy(tokenizer, answers: list[str], truncate_at: int | None = None, end: str | None = None):
+    """A stand-in for vLLM: turn k of every episode answers answers[k], ended by the end-of-turn token `end` (default
+    the EOS) the way vLLM returns it, unless cut at `truncate_at` tokens; records the sequences and limits it was
+    given."""
     calls = []
+    end_id = tokenizer.convert_tokens_to_ids(end or tokenizer.eos_token)
 
     def generate(ids_list, limits):
         calls.append((ids_list, limits))
         turn = len(calls) - 1
         outs = []
         for limit in limits:
-            tokens = tokenizer(answers[turn], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            tokens = tokenizer(answers[turn], add_special_tokens=False)["input_ids"] + [end_id]
             reason = "stop"
             if len(tokens) > min(limit, truncate_at or limit):
                 tokens, reason = tokens[:min(limit, truncate_at or limit)], "length"
@@ -43,21 +45,37 @@ LLAMA2_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}"
                    "{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
 
 
-@pytest.mark.parametrize("chat_format", ["default", "chatml", "llama-2"])
+def unlisted_end_of_turn_tokenizer():
+    """ChatML whose end-of-turn token is in the vocabulary but not among the tokenizer's special tokens: Phi-3's
+    <|end|>, or a Llama-3 base model's <|eot_id|> under its chat template (vLLM stops at them through the model's
+    generation_config)."""
+    chatml = build_tokenizer(chat_format="chatml")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=chatml.backend_tokenizer, pad_token="<pad>",
+                                        eos_token="<|endoftext|>", chat_template=chatml.chat_template)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in tokenizer.all_special_ids
+    return tokenizer
+
+
+@pytest.mark.parametrize("chat_format", ["default", "chatml", "llama-2", "unlisted end of turn"])
 def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
     """Two wrong answers, then the right one: the episode's tokens are exactly the template's rendering of that
     conversation (ChatML puts a newline after each end-of-turn token, the default template does not, Llama-2 a space
-    before it, which wrote the EOS a second time), and only the policy's own tokens are marked as trainable."""
-    tokenizer = build_tokenizer(chat_format="default" if chat_format == "llama-2" else chat_format)
+    before it, which wrote the EOS a second time, as did an end-of-turn token the tokenizer does not list as
+    special), and only the policy's own tokens are marked as trainable."""
+    if chat_format == "unlisted end of turn":
+        tokenizer = unlisted_end_of_turn_tokenizer()
+    else:
+        tokenizer = build_tokenizer(chat_format="default" if chat_format == "llama-2" else chat_format)
     if chat_format == "llama-2":
         tokenizer.chat_template = LLAMA2_TEMPLATE
+    end = "<|im_end|>" if chat_format == "unlisted end of turn" else tokenizer.eos_token
     turn = " {} " if chat_format == "llama-2" else "{}"  # what the policy writes before its end-of-turn token
     question = "What is 2+3?"
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                          add_generation_prompt=True)
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as ppo_ray.py's load_prompts
     prompt = {"prompt": question, "ids": prompt_ids, "label": "5"}
-    generate, calls = scripted_policy(tokenizer, [turn.format(answer) for answer in "475"])
+    generate, calls = scripted_policy(tokenizer, [turn.format(answer) for answer in "475"], end=end)
 
     [[episode]] = run_episodes(generate, make_env, tokenizer, [prompt], 1, max_turns=4, max_len=64,
                                chat_template=True, input_template=None, prompt_max_len=64)
@@ -66,12 +84,12 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
                 {"role": "user", "content": "higher"}, {"role": "assistant", "content": "7"},
                 {"role": "user", "content": "lower"}, {"role": "assistant", "content": "5"}]
     whole = tokenizer.apply_chat_template(messages, tokenize=False)
-    whole = whole[: whole.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]  # the episode ends at the EOS
+    whole = whole[: whole.rindex(end) + len(end)]  # the episode ends at the end-of-turn token
     assert episode["prompt_ids"] + episode["token_ids"] == tokenizer(whole, add_special_tokens=False)["input_ids"]
     # 4, told higher: 7 (followed, 1), told lower: 5 (followed and right, 2)
     assert episode["reward"] == 3.0 and episode["turns"] == 3 and len(calls) == 3
     policy = [t for t, m in zip(episode["token_ids"], episode["env_mask"]) if m]
-    assert tokenizer.decode(policy) == "".join(turn.format(answer) + tokenizer.eos_token for answer in "475")
+    assert tokenizer.decode(policy) == "".join(turn.format(answer) + end for answer in "475")
     assert [lp for lp, m in zip(episode["logprobs"], episode["env_mask"]) if not m] == [0.0] * (
         len(episode["env_mask"]) - sum(episode["env_mask"]))
     # each turn continued the sequence so far, with the tokens left of the budget as its limit
