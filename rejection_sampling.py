@@ -33,6 +33,8 @@ Implementation details, where they happen below:
   - reward sources (common/rewards.py) are reward models, which see prompt + response + EOS exactly as rm.py
     trained them and are normalised by their stored mean/std, a rule-based `--reward_fn`, and a remote reward model
     (`--remote_rm_url`); with several, the reward is their weighted sum (--reward_weights);
+  - responses cut at --generate_max_len are not selected (unless --keep_truncated): the trainers end each response
+    with EOS and would teach the model to stop where the limit cut; a prompt with no whole response gives none;
   - ties go to the first sample with the top (or bottom) reward; a pair whose best and worst rewards are equal
     carries no preference and is skipped; `--min_reward` drops prompts whose best sample's reward (the weighted
     sum) is lower (RAFT's filter: with a 0/1 rule reward alone, 1.0 keeps only solved prompts);
@@ -44,8 +46,8 @@ Implementation details, where they happen below:
 Output, under --output_dir (with --iterations 0, the iteration files sit in --output_dir itself):
     state.json                   the run's settings and how many iterations are finished
     metrics.jsonl, tensorboard/  per iteration: rewards, samples per second, share of time in each stage
-    iter_K/generations.jsonl     {"prompt", "label", "responses"}
-    iter_K/scored.jsonl          {"prompt", "label", "responses", "rewards"}
+    iter_K/generations.jsonl     {"prompt", "label", "responses", "truncated"}  (truncated: cut at the length limit)
+    iter_K/scored.jsonl          {"prompt", "label", "responses", "rewards", "truncated"}
     iter_K/<mode>.jsonl          the data: best_of_n.jsonl, csft.jsonl or dpo_pairs.jsonl
     iter_K/model/                the model trained on it
 """
@@ -110,6 +112,9 @@ class Args:
     """GPUs per vLLM engine"""
     vllm_gpu_memory_utilization: float = 0.85
     """share of each GPU's memory a vLLM engine may take"""
+    vllm_dtype: Literal["trainer", "bfloat16", "float16", "float32"] = "trainer"
+    """precision the engines sample in: the trainers' (bfloat16 on GPUs of compute capability 8.0 and up, float32
+    elsewhere), or another (bfloat16 on a CPU with AVX-512 BF16 or AMX samples about 1.5x faster than float32)"""
     enforce_eager: bool = False
     """run vLLM without CUDA graphs (starts faster)"""
     max_model_len: int | None = None
@@ -142,6 +147,9 @@ class Args:
     (conditional SFT), or best/worst pairs (DPO)"""
     min_reward: float | None = None
     """best_of_n and dpo_pairs: drop prompts whose best response scores below this"""
+    keep_truncated: bool = False
+    """also select responses cut at --generate_max_len. They are left out by default: the trainers end every response
+    with EOS, so a cut one would teach the model to stop where the limit cut it"""
     csft_template: str = "{prompt} <rm_score>: {reward}"
     """csft: how a prompt and a reward are written into the training prompt"""
     csft_decimals: int = 1
@@ -163,9 +171,9 @@ RESUMABLE_CHANGES = ("iterations", "train_num_gpus", "reward_batch_size", "use_w
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
-def best_and_worst(scores: list[float]) -> tuple[int, int]:
-    """Indices of a highest- and of a lowest-reward sample; on ties, the first one of each."""
-    indices = range(len(scores))
+def best_and_worst(scores: list[float], indices=None) -> tuple[int, int]:
+    """Indices of a highest- and of a lowest-reward sample among `indices` (default all); on ties, the first one."""
+    indices = range(len(scores)) if indices is None else indices
     return max(indices, key=scores.__getitem__), min(indices, key=scores.__getitem__)
 
 
@@ -184,14 +192,21 @@ def conditioned_prompt(prompt, reward: float, template: str, decimals: int):
 
 
 def select(mode: str, prompts: list, responses: list[list[str]], scores: list[list[float]],
-           min_reward: float | None = None, csft_template: str = "", csft_decimals: int = 1) -> tuple[list[dict], int]:
-    """The records `mode` writes for these scored samples, and the number of prompts that gave none."""
+           min_reward: float | None = None, csft_template: str = "", csft_decimals: int = 1,
+           truncated: list[list[bool]] | None = None) -> tuple[list[dict], int]:
+    """The records `mode` writes for these scored samples, and the number of prompts that gave none.
+
+    Samples marked in `truncated` (cut at the length limit) are left out, and a prompt with none left gives none."""
     records, skipped = [], 0
-    for prompt, texts, prompt_scores in zip(prompts, responses, scores):
-        best, worst = best_and_worst(prompt_scores)
+    for i, (prompt, texts, prompt_scores) in enumerate(zip(prompts, responses, scores)):
+        whole = [j for j in range(len(texts)) if not (truncated and truncated[i][j])]
+        if not whole:
+            skipped += 1
+            continue
+        best, worst = best_and_worst(prompt_scores, whole)
         if mode == "csft":  # every sample teaches what a response of its reward looks like
-            records += [{"prompt": conditioned_prompt(prompt, s, csft_template, csft_decimals), "response": t,
-                         "reward": s} for t, s in zip(texts, prompt_scores)]
+            records += [{"prompt": conditioned_prompt(prompt, prompt_scores[j], csft_template, csft_decimals),
+                         "response": texts[j], "reward": prompt_scores[j]} for j in whole]
         elif min_reward is not None and prompt_scores[best] < min_reward:
             skipped += 1
         elif mode == "best_of_n":
@@ -264,13 +279,15 @@ def tokenize_prompts(tokenizer, prompts: list, args: Args, source: str) -> list[
 def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, desc: str):
     """n sampled responses (token ids) per prompt from fresh vLLM engines, which are shut down afterwards.
 
-    Returns (responses, seconds spent sampling once the engines were up).
+    Returns (responses, which of them were cut at --generate_max_len, seconds spent sampling once the engines were
+    up).
     """
     ray.init(address="local", include_dashboard=False, log_to_driver=False)  # this run's own, even if another runs
     stop_on_sigterm()  # Ray's driver took SIGTERM over (it aborts); a stop should say what survives
     try:
         engines = create_vllm_engines(args.vllm_num_engines, args.vllm_tensor_parallel_size, policy, seed,
-                                      args.max_model_len, args.vllm_gpu_memory_utilization, args.enforce_eager)
+                                      args.max_model_len, args.vllm_gpu_memory_utilization, args.enforce_eager,
+                                      dtype=None if args.vllm_dtype == "trainer" else args.vllm_dtype)
         start = time.time()
         chunks = [prompt_ids[i: i + args.generate_batch_size] for i in range(0, len(prompt_ids),
                                                                               args.generate_batch_size)]
@@ -291,7 +308,9 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
     finally:
         ray.shutdown()
         stop_on_sigterm()  # Ray's core worker leaves SIGTERM at its default (death, no word) when it shuts down
-    return [[sample["token_ids"] for sample in samples] for chunk in results for samples in chunk], sampling_seconds
+    per_prompt = [samples for chunk in results for samples in chunk]
+    return ([[sample["token_ids"] for sample in samples] for samples in per_prompt],
+            [[sample["finish_reason"] == "length" for sample in samples] for samples in per_prompt], sampling_seconds)
 
 
 def score(args: Args, tokenizer, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str):
@@ -439,15 +458,18 @@ def main(args: Args):
                 sample_ids = tokenize_prompts(tokenizer, [conditioned_prompt(p, high, args.csft_template,
                                                                              args.csft_decimals) for p in prompts],
                                               args, args.dataset)
-            token_ids, seconds["sampling"] = generate(args, policy, sample_ids, args.seed + k * args.vllm_num_engines,
-                                                      f"iteration {k}: generate")
+            token_ids, cut, seconds["sampling"] = generate(args, policy, sample_ids,
+                                                           args.seed + k * args.vllm_num_engines,
+                                                           f"iteration {k}: generate")
             responses = [[data.decode_response(tokenizer, ids, response) for response in samples]
                          for ids, samples in zip(sample_ids, token_ids)]
-            write_jsonl(files["generations"], [{"prompt": p, "label": label, "responses": texts}
-                                               for p, label, texts in zip(prompts, labels, responses)])
+            write_jsonl(files["generations"], [{"prompt": p, "label": label, "responses": texts, "truncated": c}
+                                               for p, label, texts, c in zip(prompts, labels, responses, cut)])
             seconds["generate"] = time.time() - start
-        responses = [row["responses"] for row in data.load_records(files["generations"])]
-        if len(responses) != len(prompts) or any(len(texts) != n for texts in responses):
+        generations = data.load_records(files["generations"])
+        responses = [row["responses"] for row in generations]
+        truncated = [row.get("truncated", [False] * n) for row in generations]  # files written before it was kept
+        if len(responses) != len(prompts) or any(len(texts) != n for texts in responses + truncated):
             raise UserError(f"{files['generations']} does not hold {n} responses for each of the {len(prompts)} "
                             f"prompts; it belongs to another run: use another --output_dir.")
 
@@ -457,22 +479,29 @@ def main(args: Args):
         else:
             start = time.time()
             scores = score(args, tokenizer, prompts, labels, responses, reward_fn, f"iteration {k}: score")
-            write_jsonl(files["scored"], [{"prompt": p, "label": label, "responses": texts, "rewards": s}
-                                          for p, label, texts, s in zip(prompts, labels, responses, scores)])
+            scored = zip(prompts, labels, responses, scores, truncated)
+            write_jsonl(files["scored"], [{"prompt": p, "label": label, "responses": texts, "rewards": s,
+                                           "truncated": c} for p, label, texts, s, c in scored])
             seconds["score"] = time.time() - start
 
         # ---- select the data
         records, skipped = select(args.mode, prompts, responses, scores, args.min_reward, args.csft_template,
-                                  args.csft_decimals)
+                                  args.csft_decimals, None if args.keep_truncated else truncated)
+        cut = sum(map(sum, truncated))
+        left_out = "" if args.keep_truncated or not cut else (
+            f"; {cut} of {len(prompts) * n} responses were cut at --generate_max_len and left out (raise it, or pass "
+            f"--keep_truncated)")
         if not records:
-            raise UserError(f"iteration {k} kept no sample: every prompt's best reward is below --min_reward or "
-                            f"all its samples tie; the scored samples are in {files['scored']}.")
+            raise UserError(f"iteration {k} kept no sample: for every prompt, the best reward is below --min_reward, "
+                            f"all samples tie or all were cut at the length limit{left_out}; the scored samples are "
+                            f"in {files['scored']}.")
         write_jsonl(files[args.mode], records)
         metrics = {"rewards/mean": sum(map(sum, scores)) / (len(scores) * n),
                    "rewards/best_mean": sum(map(max, scores)) / len(scores),
                    "rewards/worst_mean": sum(map(min, scores)) / len(scores),
-                   "data/records": len(records), "data/prompts_skipped": skipped}
-        summary = f"wrote {len(records)} records to {files[args.mode]} ({skipped} prompts skipped)"
+                   "data/records": len(records), "data/prompts_skipped": skipped,
+                   "data/truncated_share": cut / (len(prompts) * n)}
+        summary = f"wrote {len(records)} records to {files[args.mode]} ({skipped} prompts skipped{left_out})"
         if args.mode == "csft":
             metrics["csft/high_reward"] = max(round(row["reward"], args.csft_decimals) for row in records)
             example = conditioned_prompt(prompts[0], metrics["csft/high_reward"], args.csft_template,

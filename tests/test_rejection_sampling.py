@@ -104,6 +104,21 @@ def test_pairs_need_two_different_texts_and_ties_go_to_the_first():
     assert best[0]["response"] == "b"
 
 
+def test_responses_cut_at_the_length_limit_are_not_selected():
+    """A cut response would be trained on with an EOS after it, teaching the model to stop where the limit cut it:
+    the best whole response is picked instead, and a prompt with none gives no record."""
+    prompts, responses = ["p", "q"], [["cut, best", "whole", "whole, worst"], ["cut", "cut too", "cut, worst"]]
+    scores, truncated = [[3.0, 2.0, 0.0], [1.0, 0.5, 0.0]], [[True, False, False], [True, True, True]]
+    best, skipped = select("best_of_n", prompts, responses, scores, truncated=truncated)
+    assert best == [{"prompt": "p", "response": "whole", "reward": 2.0}] and skipped == 1
+    pairs, skipped = select("dpo_pairs", prompts, responses, scores, truncated=truncated)
+    assert [(r["chosen"], r["rejected"]) for r in pairs] == [("whole", "whole, worst")] and skipped == 1
+    csft, skipped = select("csft", prompts, responses, scores, csft_template=TEMPLATE, truncated=truncated)
+    assert [r["response"] for r in csft] == ["whole", "whole, worst"] and skipped == 1
+    kept, _ = select("best_of_n", prompts, responses, scores)  # --keep_truncated
+    assert [r["response"] for r in kept] == ["cut, best", "cut"]
+
+
 def test_the_reward_is_written_into_the_prompt_once_spelled():
     assert conditioned_prompt("What is 2+3?", -0.04, TEMPLATE, 1) == "What is 2+3? <rm_score>: 0.0"
     assert conditioned_prompt("Q", 1.23456, TEMPLATE, 2) == "Q <rm_score>: 1.23"
@@ -238,7 +253,8 @@ def test_conditional_sft_answers_better_when_asked_for_a_high_reward(best_of_n_r
     assert "for a high-reward answer with prompts like '" in result.stdout
     assert "<rm_score>: 1.0'" in result.stdout
     records = load_records(os.path.join(out, "iter_0", "csft.jsonl"))  # sft.py trained on it as it stands
-    assert len(records) == 8000
+    cut = sum(map(sum, (row["truncated"] for row in load_records(os.path.join(out, "iter_0", "generations.jsonl")))))
+    assert len(records) == 8000 - cut and cut < 4000  # every whole response, each with its reward
     assert all(r["prompt"].endswith(f"<rm_score>: {r['reward']:.1f}") for r in records)
     assert metrics(out)[0]["csft/high_reward"] == 1.0
 
