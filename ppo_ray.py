@@ -254,7 +254,8 @@ class Args:
     init_kl_coef: float = 0.01
     """KL penalty coefficient (beta)"""
     kl_target: float | None = None
-    """turns on the adaptive KL controller, which steers the KL towards this value"""
+    """turns on the adaptive KL controller, which steers objective/kl towards this value. objective/kl is a mean per
+    response token: a per-response target such as Ziegler et al.'s 6 nats is that divided by the response length"""
     kl_horizon: int = 10000
     """horizon of the adaptive KL controller"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
