@@ -252,25 +252,55 @@ def sample_context(source: str, index: int):
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return the text and the character spans of the assistant turns.
 
-    A span runs from the end of the generation prompt to the turn's end-of-turn token: whitespace a template writes
-    after that token (ChatML's "<|im_end|>\n", Gemma's "<end_of_turn>\n") is left out, since generation stops at the
-    token and the policy never writes what follows it.
+    A span runs from the end of the generation prompt to the turn's end-of-turn token: what a template writes after
+    that token (ChatML's "<|im_end|>\n", Gemma's "<end_of_turn>\n", Phi-3's "<|end|>\n<|endoftext|>" after the last
+    turn) is left out, since generation stops at the token and the policy never writes what follows it.
     """
     check_chat_template(tokenizer)
     text = chat_text(tokenizer, messages)
     spans = []
+    markers = {t for t in tokenizer.all_special_tokens if t} | {
+        t.content for t in tokenizer.added_tokens_decoder.values()}  # the end-of-turn token is one of them
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        through = chat_text(tokenizer, messages[: i + 1])
+        through = without_closing_eos(tokenizer, chat_text(tokenizer, messages[: i + 1]), text)
         if not (text.startswith(before) and text.startswith(through)):
             raise DataError(
                 "the chat template does not render a conversation's history as a prefix of the whole, so "
                 "assistant turns cannot be located; use --input_template instead of --apply_chat_template."
             )
-        spans.append((len(before), max(len(before), len(through.rstrip()))))
+        spans.append((len(before), turn_end(through, len(before), message["content"], markers)))
     return text, spans
+
+
+def without_closing_eos(tokenizer, history: str, whole: str) -> str:
+    """A conversation's history as the whole conversation renders it. Some templates (Phi-3's) close a conversation
+    with the EOS: a history that ends at an earlier assistant turn has it, the whole conversation has it only at the
+    end. Such a history is taken without its EOS (and the whitespace before it)."""
+    eos = tokenizer.eos_token
+    if whole.startswith(history) or not eos or not history.endswith(eos):
+        return history
+    return history[: -len(eos)].rstrip() if whole.startswith(history[: -len(eos)].rstrip()) else history
+
+
+def turn_end(through: str, start: int, content, markers: set[str]) -> int:
+    """Where the assistant turn that `through` ends with (from `start`) ends: just after the first of the `markers`
+    (the special and added tokens) that follows its content, the end-of-turn token. Where the content is not found
+    as written (a template that rewrites it) or no marker follows it, after the turn's last character that is not
+    whitespace."""
+    fallback = max(start, len(through.rstrip()))
+    text = content.strip() if isinstance(content, str) else ""
+    found = through.rfind(text, start) if text else -1  # the last: a template may write text of its own before it
+    if found < 0:
+        return fallback
+    after = found + len(text)
+    ends = [(i, len(marker)) for marker in markers if (i := through.find(marker, after)) >= 0]
+    if not ends:
+        return fallback
+    i, length = min(ends, key=lambda end: (end[0], -end[1]))  # the first; of two starting there, the longer
+    return min(i + length, fallback)
 
 
 def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: str | None) -> str:

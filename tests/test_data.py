@@ -62,6 +62,32 @@ def test_chatml_s_newline_after_the_end_of_turn_token_is_not_trained_on():
     assert masked_text(chatml, conversation) == "3<|im_end|>9<|im_end|>"
 
 
+# Phi-3's shape: every turn ends with its end-of-turn token and a newline, and the conversation with the EOS, which
+# is another token (<|endoftext|>); generation stops at the end-of-turn token.
+PHI3_LIKE_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                      "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                      "{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_what_a_template_writes_after_the_last_end_of_turn_token_is_not_trained_on():
+    """Phi-3 writes "<|end|>\\n<|endoftext|>" after the last assistant turn: the policy stops at <|end|> and never
+    writes the rest, so SFT trains on the turn up to its end-of-turn token, as it does on the earlier turns."""
+    from transformers import PreTrainedTokenizerFast
+
+    from common.tiny_model import build_tokenizer
+
+    chatml = build_tokenizer(chat_format="chatml")
+    phi3 = PreTrainedTokenizerFast(tokenizer_object=chatml.backend_tokenizer, pad_token="<pad>",
+                                   eos_token="<|endoftext|>", chat_template=PHI3_LIKE_TEMPLATE)
+    (sample,) = build(phi3, [{"prompt": "What is 2+3?", "response": "5"}], apply_chat_template=True)
+    assert phi3.decode(sample["input_ids"]).endswith("5<|im_end|>\n<|endoftext|>")
+    assert masked_text(phi3, sample) == "5<|im_end|>"
+    messages = [{"role": "user", "content": "Add 1 and 2."}, {"role": "assistant", "content": "3"},
+                {"role": "user", "content": "Add 4 and 5."}, {"role": "assistant", "content": "9"}]
+    (conversation,) = build(phi3, [{"messages": messages}], input_key="messages")
+    assert masked_text(phi3, conversation) == "3<|im_end|>9<|im_end|>"
+
+
 def test_a_conversation_s_earlier_assistant_turns_are_context_for_its_response(tokenizer):
     """A prompt given as messages may hold assistant turns: only the response after them is trained on (SFT, DPO,
     KTO) or scored."""
