@@ -7,7 +7,8 @@ which keep whole-model gradients on every GPU. Their activations come on top: th
 micro-batch kept for backward (with --gradient_checkpointing, each layer's input and one layer's whole). Frozen
 roles (reference, reward models) hold bf16 weights partitioned over their ranks (in CPU memory with --ref_offload)
 plus the gathered largest layer. A forward over the vocabulary adds its logits: bf16, their fp32 copy and the fp32
-logsumexp work of one micro-batch. The GPUs are taken to compute in bf16 (Ampere and later). A vLLM engine takes
+logsumexp work of one micro-batch. The GPUs are taken to compute in bf16 (Ampere and later), and the engines too
+unless --vllm_dtype float32 (twice the bytes for their weights and KV cache). A vLLM engine takes
 --vllm_gpu_memory_utilization of each of its GPUs, in which its shard of the weights, its own working memory and a
 KV cache must fit. Colocated roles add up on their GPUs; with --colocate_all the engines count at their full share,
 as they need it free when they start and wake.
@@ -166,12 +167,13 @@ def plan(args) -> dict:
         gpus = critic_gpus if beside_critic else args.reward_num_workers
         put(critic_group if beside_critic else f"reward model {i + 1}", gpus, f"reward model {i + 1}",
             frozen(rm["scalar_head"], rm["largest_layer"], gpus, args.ref_offload))
-    weights = 2 * policy["causal_lm"] // args.vllm_tensor_parallel_size
+    scale = 2 if args.vllm_dtype == "float32" else 1  # the engines' weights and KV cache in fp32, not bf16
+    weights = scale * 2 * policy["causal_lm"] // args.vllm_tensor_parallel_size
     budget = args.vllm_gpu_memory_utilization * args.gpu_memory_gib * GiB
     kv = budget - weights - VLLM_OVERHEAD_GIB * GiB
     put("actor" if args.colocate_all else "vLLM", engines_gpus, "vLLM",
-        {"weights": weights, "overhead": VLLM_OVERHEAD_GIB * GiB, "KV cache": max(0, kv),
-         "sequences": kv * args.vllm_tensor_parallel_size / policy["kv_per_token"] / seq})  # KV heads split over TP
+        {"weights": weights, "overhead": VLLM_OVERHEAD_GIB * GiB, "KV cache": max(0, kv),  # KV heads split over TP:
+         "sequences": kv * args.vllm_tensor_parallel_size / (scale * policy["kv_per_token"]) / seq})
     return groups
 
 

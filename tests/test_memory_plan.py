@@ -95,6 +95,19 @@ def test_the_old_70b_vllm_layout_is_refused_in_one_sentence():
         memory_plan.check(args, memory_plan.plan(args))
 
 
+def test_engines_in_float32_hold_twice_the_bytes_per_weight_and_per_cached_token():
+    name, _, flags = next(r for r in RECIPES if "70b" in r[0])
+    bf16, fp32 = (memory_plan.plan(recipe_args(name, flags, vllm_dtype=dtype))["vLLM"][1]["vLLM"]
+                  for dtype in ("trainer", "float32"))
+    assert fp32["weights"] == 2 * bf16["weights"]
+    per_byte_of_cache = bf16["sequences"] / bf16["KV cache"]  # sequences a byte of bf16 KV cache holds
+    left = bf16["KV cache"] - bf16["weights"]  # the weights' second half comes out of the cache
+    assert fp32["sequences"] == pytest.approx(left * per_byte_of_cache / 2) and fp32["sequences"] < 0
+    with pytest.raises(UserError, match=r"^each vLLM GPU holds 65\.7 GiB of weights"):  # 70B over 4 GPUs, in fp32
+        memory_plan.check(recipe_args(name, flags, vllm_dtype="float32"), memory_plan.plan(
+            recipe_args(name, flags, vllm_dtype="float32")))
+
+
 def test_colocate_all_counts_the_engines_whole_share():
     """--colocate_all at vLLM's default 0.85: the engines need that much free when they start, beside the models."""
     name, _, flags = next(r for r in RECIPES if "8gpu" in r[0])
