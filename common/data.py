@@ -18,6 +18,7 @@ import os
 import random
 import re
 import string
+import weakref
 
 import torch
 
@@ -258,9 +259,8 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     """
     check_chat_template(tokenizer)
     text = chat_text(tokenizer, messages)
+    end_token = end_of_turn_token(tokenizer)
     spans = []
-    markers = {t for t in tokenizer.all_special_tokens if t} | {
-        t.content for t in tokenizer.added_tokens_decoder.values()}  # the end-of-turn token is one of them
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -271,8 +271,32 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
                 "the chat template does not render a conversation's history as a prefix of the whole, so "
                 "assistant turns cannot be located; use --input_template instead of --apply_chat_template."
             )
-        spans.append((len(before), turn_end(through, len(before), message["content"], markers)))
+        end = max(len(before), len(through.rstrip()))  # after the turn's last character that is not whitespace
+        last = through.rfind(end_token, len(before)) if end_token else -1
+        spans.append((len(before), min(end, last + len(end_token)) if last >= 0 else end))
     return text, spans
+
+
+SENTINEL = "\x00reply\x00"  # an assistant message whose end the template shows
+_end_tokens = weakref.WeakKeyDictionary()  # tokenizer -> {chat template: its end-of-turn token}
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special or added token the chat template writes first after an assistant message (not a whitespace one):
+    "<|im_end|>", "<|eot_id|>", "<end_of_turn>", Phi-3's "<|end|>", the EOS of Llama-2 and Mistral. None when the
+    template writes no such token, or does not render a user message and a reply."""
+    known = _end_tokens.setdefault(tokenizer, {})
+    if tokenizer.chat_template not in known:
+        try:
+            text = chat_text(tokenizer, [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL}])
+        except DataError:
+            text = ""
+        after = text.find(SENTINEL) + len(SENTINEL) if SENTINEL in text else len(text)
+        markers = {t for t in tokenizer.all_special_tokens if t.strip()} | {
+            t.content for t in tokenizer.added_tokens_decoder.values() if t.content.strip()}
+        found = [(i, -len(m), m) for m in markers if (i := text.find(m, after)) >= 0]
+        known[tokenizer.chat_template] = min(found)[2] if found else None  # the first; of two there, the longer
+    return known[tokenizer.chat_template]
 
 
 def without_closing_eos(tokenizer, history: str, whole: str) -> str:
@@ -283,24 +307,6 @@ def without_closing_eos(tokenizer, history: str, whole: str) -> str:
     if whole.startswith(history) or not eos or not history.endswith(eos):
         return history
     return history[: -len(eos)].rstrip() if whole.startswith(history[: -len(eos)].rstrip()) else history
-
-
-def turn_end(through: str, start: int, content, markers: set[str]) -> int:
-    """Where the assistant turn that `through` ends with (from `start`) ends: just after the first of the `markers`
-    (the special and added tokens) that follows its content, the end-of-turn token. Where the content is not found
-    as written (a template that rewrites it) or no marker follows it, after the turn's last character that is not
-    whitespace."""
-    fallback = max(start, len(through.rstrip()))
-    text = content.strip() if isinstance(content, str) else ""
-    found = through.rfind(text, start) if text else -1  # the last: a template may write text of its own before it
-    if found < 0:
-        return fallback
-    after = found + len(text)
-    ends = [(i, len(marker)) for marker in markers if (i := through.find(marker, after)) >= 0]
-    if not ends:
-        return fallback
-    i, length = min(ends, key=lambda end: (end[0], -end[1]))  # the first; of two starting there, the longer
-    return min(i + length, fallback)
 
 
 def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: str | None) -> str:

@@ -88,6 +88,31 @@ def test_what_a_template_writes_after_the_last_end_of_turn_token_is_not_trained_
     assert masked_text(phi3, conversation) == "3<|im_end|>9<|im_end|>"
 
 
+# Qwen2.5's shape for tool calls: the call follows the content, inside added tokens that are not special.
+TOOL_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                 "{% for call in m.get('tool_calls', []) %}{{ '\\n<tool_call>\\n' + call + '\\n</tool_call>' }}"
+                 "{% endfor %}{{ '<|im_end|>\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_span_ends_at_the_end_of_turn_token_not_at_other_added_tokens():
+    """A tool call after the content sits between added tokens, and some tokenizers add runs of whitespace as
+    tokens: the span still runs to the turn's own end-of-turn token, the one the template writes after a reply."""
+    from common.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(chat_format="chatml")
+    tok.chat_template = TOOL_TEMPLATE
+    tok.add_tokens(["<tool_call>", "</tool_call>", "\n", "  "])
+    assert data.end_of_turn_token(tok) == "<|im_end|>"
+    call = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
+    for reply, trained in ({"content": "Let me add.", "tool_calls": [call]},
+                           f"Let me add.\n<tool_call>\n{call}\n</tool_call><|im_end|>"), \
+                          ({"content": "def f():\n  "}, "def f():\n  <|im_end|>"):
+        text, spans = data.render_chat(tok, [{"role": "user", "content": "What is 2+3?"},
+                                             {"role": "assistant", **reply}])
+        assert [text[a:b] for a, b in spans] == [trained]
+
+
 def test_a_conversation_s_earlier_assistant_turns_are_context_for_its_response(tokenizer):
     """A prompt given as messages may hold assistant turns: only the response after them is trained on (SFT, DPO,
     KTO) or scored."""
