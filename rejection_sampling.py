@@ -468,7 +468,7 @@ def main(args: Args):
             seconds["generate"] = time.time() - start
         generations = data.load_records(files["generations"])
         responses = [row["responses"] for row in generations]
-        truncated = [row.get("truncated", [False] * n) for row in generations]  # files written before it was kept
+        truncated = [row.get("truncated") or [False] * n for row in generations]  # files written before it was kept
         if len(responses) != len(prompts) or any(len(texts) != n for texts in responses + truncated):
             raise UserError(f"{files['generations']} does not hold {n} responses for each of the {len(prompts)} "
                             f"prompts; it belongs to another run: use another --output_dir.")

@@ -20,9 +20,7 @@ appended as it is, and the environment formats it.
 """
 
 from common.args import UserError
-from common.data import decode_response, render_prompt
-
-SENTINEL = "\x00action\x00"  # stands for a policy turn while the chat template renders what comes after it
+from common.data import SENTINEL, decode_response, render_prompt  # SENTINEL: a turn whose end the template shows
 
 
 def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None) -> list[int]:
