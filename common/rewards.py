@@ -22,6 +22,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -38,6 +39,9 @@ def _short(value, limit: int = 80) -> str:
 
 def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
     """`rewards` as a list of finite floats, one per response, or a UserError that says what `source` got wrong."""
+    if isinstance(rewards, (str, bytes, Mapping, set)):  # iterable, but over keys or characters: never the rewards
+        raise UserError(f"{source} returned a {type(rewards).__name__}, {_short(rewards)}; it must return a list of "
+                        f"numbers, one per response, in the order of the responses.")
     try:
         rewards = [float(r) for r in rewards]
     except (TypeError, ValueError):

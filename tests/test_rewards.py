@@ -43,13 +43,15 @@ def test_reward_fn_mistakes_are_named(tmp_path):
         "def inverse_length(prompts, responses, labels):\n    return [1.0 / len(r) for r in responses]\n"
         "def one_short(prompts, responses, labels):\n    return [0.0] * (len(responses) - 1)\n"
         "def words(prompts, responses, labels):\n    return ['good' for r in responses]\n"
-        "def nan(prompts, responses, labels):\n    return [float('nan') for r in responses]\n")
+        "def nan(prompts, responses, labels):\n    return [float('nan') for r in responses]\n"
+        "def by_index(prompts, responses, labels):\n    return {i: 0.5 for i in range(len(responses))}\n"
+        "def text(prompts, responses, labels):\n    return '10110'\n")
     with pytest.raises(UserError, match="must be written path/to/file.py:function_name"):
         rewards.load_reward_fn(str(path))
     with pytest.raises(UserError, match="nowhere.py does not exist"):
         rewards.load_reward_fn(f"{tmp_path}/nowhere.py:inverse_length")
-    with pytest.raises(UserError, match=r"has no function 'reward'; it defines \['inverse_length', 'nan', "
-                                        r"'one_short', 'words'\]"):
+    with pytest.raises(UserError, match=r"has no function 'reward'; it defines \['by_index', 'inverse_length', 'nan', "
+                                        r"'one_short', 'text', 'words'\]"):
         rewards.load_reward_fn(f"{path}:reward")
     cases = {
         "inverse_length": r"reward function inverse_length raised ZeroDivisionError: float division by zero on "
@@ -57,6 +59,9 @@ def test_reward_fn_mistakes_are_named(tmp_path):
         "one_short": "reward function one_short returned 4 rewards for 5 responses",
         "words": r"reward function words returned \['good', .*; it must return a list of numbers",
         "nan": "reward function nan returned nan for response 0 of the batch; rewards must be finite",
+        # a dict or a string is iterable too, over its keys or characters: read as rewards, 5 plausible numbers
+        "by_index": r"reward function by_index returned a dict, \{0: 0.5, .*; it must return a list of numbers",
+        "text": "reward function text returned a str, '10110'; it must return a list of numbers",
     }
     for name, message in cases.items():
         fn = rewards.load_reward_fn(f"{path}:{name}")
@@ -150,6 +155,8 @@ def reward_server():
                 status = 503 if calls["flaky"] == 1 else 200
             elif self.path == "/bad_request":
                 answer, status = {"error": "missing field"}, 400
+            elif self.path == "/by_index":  # what pandas' Series.to_dict() gives
+                answer = {"rewards": {str(i): 0.5 for i in range(len(body["responses"]))}}
             elif self.path == "/short":
                 answer = {"rewards": [1.0]}
             elif self.path == "/not_json":
@@ -188,6 +195,8 @@ def test_remote_reward_retries_server_errors_and_names_the_rest(reward_server):
         rewards.remote_reward(url + "/bad_request", PROMPTS, RESPONSES, LABELS, backoff=0.01)
     with pytest.raises(UserError, match="returned 1 rewards for 5 responses"):
         rewards.remote_reward(url + "/short", PROMPTS, RESPONSES, LABELS, backoff=0.01)
+    with pytest.raises(UserError, match=r"returned a dict, \{'0': 0.5, .*; it must return a list of numbers"):
+        rewards.remote_reward(url + "/by_index", PROMPTS, RESPONSES, LABELS, backoff=0.01)
     with pytest.raises(UserError, match="answered 'hello', which is not JSON"):
         rewards.remote_reward(url + "/not_json", PROMPTS, RESPONSES, LABELS, backoff=0.01)
     import socket
