@@ -870,13 +870,25 @@ def check_args(args: Args) -> None:
     if args.max_steps < 1:
         raise UserError(f"--max_steps {args.max_steps} runs no PPO step; give 1 or more.")
     if args.env_fn:
-        others = [flag for flag in ("reward_pretrain", "reward_fn", "remote_rm_url") if getattr(args, flag)]
+        others = [flag for flag in ("reward_pretrain", "reward_fn", "remote_rm_url", "reward_weights")
+                  if getattr(args, flag)]
         if others:
             raise UserError(f"--env_fn's rewards score the episodes; leave out --{others[0]}, or --env_fn.")
         if args.max_turns < 1:
             raise UserError(f"--max_turns {args.max_turns} gives the policy no turn; give 1 or more.")
     else:
         rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
+    if args.reward_clip <= 0:
+        raise UserError(f"--reward_clip {args.reward_clip} must be above 0: rewards are clipped to [-clip, clip] "
+                        f"(10 is the default; a large bound such as 1e9 clips nothing).")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise UserError(f"--temperature {args.temperature} --top_p {args.top_p}: the trainer's log-probs divide "
+                        f"by the temperature and the policy must keep some tokens; give a temperature above 0 "
+                        f"(1.0 samples the policy as it is) and a top_p in (0, 1] (evaluation is greedy anyway).")
+    if args.kl_target is not None and not (args.kl_target > 0 and args.init_kl_coef > 0):
+        raise UserError(f"--kl_target {args.kl_target} with --init_kl_coef {args.init_kl_coef}: the adaptive "
+                        f"controller scales the coefficient up and down from --init_kl_coef, so both must be above "
+                        f"0 (e.g. --init_kl_coef 0.01 --kl_target 0.05).")
     if args.advantage_estimator in GROUPED and args.n_samples_per_prompt < 2:
         raise UserError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt; "
                         f"set --n_samples_per_prompt to 2 or more.")

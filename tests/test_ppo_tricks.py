@@ -517,6 +517,13 @@ def test_truncated_importance_weights_worked_by_hand():
      "--async_rollouts cannot be used with --dynamic_sampling"),
     ({"env_fn": "env.py:make_env"}, "--env_fn's rewards score the episodes; leave out --reward_fn, or --env_fn."),
     ({"env_fn": "env.py:make_env", "reward_fn": None, "max_turns": 0}, "--max_turns 0 gives the policy no turn"),
+    ({"env_fn": "env.py:make_env", "reward_fn": None, "reward_weights": [5.0]},  # there is nothing to weigh
+     "--env_fn's rewards score the episodes; leave out --reward_weights, or --env_fn."),
+    ({"reward_clip": 0.0}, "--reward_clip 0.0 must be above 0: rewards are clipped to [-clip, clip]"),
+    ({"temperature": 0.0}, "give a temperature above 0"),  # log-probs of logits / 0: NaN
+    ({"top_p": 0.0}, "and a top_p in (0, 1]"),
+    ({"init_kl_coef": 0.0, "kl_target": 0.1}, "the adaptive controller scales the coefficient up and down"),
+    ({"kl_target": -1.0}, "so both must be above 0"),
     ({"env_fn": "env.py:make_env", "reward_fn": None, "async_rollouts": True},
      "--async_rollouts cannot be used with --env_fn"),
 ])
