@@ -89,27 +89,32 @@ def _list_of(data: dict, path: str, split: str | None):
 # Words that mark a split in a file name (train.jsonl, test-00000-of-00002.parquet, train_prefs-00000-of-00001.parquet,
 # my_valid.json) and in the keys of a .json dict.
 SPLIT_NAMES = ("train", "test", "validation", "valid", "eval", "dev")
-SHARD_SUFFIX = re.compile(r"-\d+-of-\d+$")
+SHARD_SUFFIX = re.compile(r"-\d+-of-\d+(-[0-9a-f]{6,})?$")  # and the hub's older content-hash tail
+
+
+def _words(name: str) -> list[str]:
+    return re.split(r"[-_. ]", name.lower())
 
 
 def _names_a_split(name: str) -> bool:
-    return any(word in SPLIT_NAMES for word in re.split(r"[-_. ]", name.lower()))
+    return any(word in SPLIT_NAMES for word in _words(name))
 
 
 def _split_of(file_name: str) -> str | None:
     """The split a file of a dataset folder is named for: its name without extension and shard suffix, when that
-    holds a split word (train.jsonl: "train", train_prefs-00000-of-00001.parquet: "train_prefs"); else None."""
-    stem = SHARD_SUFFIX.sub("", file_name.split(".", 1)[0])
+    holds a split word (train.jsonl: "train", train_prefs-00000-of-00001.parquet: "train_prefs",
+    ultrafeedback.test.jsonl: "ultrafeedback.test"); else None."""
+    stem = file_name[: -len(next(ext for ext in DATA_EXTENSIONS if file_name.endswith(ext)))]
+    stem = SHARD_SUFFIX.sub("", stem)
     return stem if _names_a_split(stem) else None
 
 
-def _pick_split(splits: set[str], split: str) -> str | None:
-    """The file split that `split` asks for: the same name, or the one name that holds it as a word (my_train for
-    train); None where no name or several do (train_prefs and train_sft for train)."""
-    if split in splits:
-        return split
-    holding = [name for name in splits if split.lower() in re.split(r"[-_. ]", name.lower())]
-    return holding[0] if len(holding) == 1 else None
+def _holding(splits: set[str], split: str) -> list[str]:
+    """The file splits whose names hold `split`'s words in a row: train, my_train and train_extra for train;
+    train_prefs only for train_prefs."""
+    words = _words(split)
+    return sorted(name for name in splits if any(_words(name)[i:i + len(words)] == words
+                                                 for i in range(len(_words(name)))))
 
 
 def load_records(source: str, split: str = "train") -> list[dict]:
@@ -117,8 +122,8 @@ def load_records(source: str, split: str = "train") -> list[dict]:
     name. `split` picks the split of the last two, of a .json whose keys name splits, and of a folder whose file
     names carry splits (train.jsonl and test.jsonl, train-00000-of-00002.parquet, train_prefs-00000-of-00001.parquet,
     my_train.jsonl; _split_of): only that split's files are read, a file named for no split beside them is refused
-    rather than left out, and a split that names none of them, or several (train for train_prefs and train_sft), is
-    refused too. A folder without such names is one dataset, all its files."""
+    rather than left out, and a split that names none of them, or several (train for train_prefs and train_sft, or
+    for train and train_extra), is refused too. A folder without such names is one dataset, all its files."""
     if os.path.isfile(source):
         return _read_file(source, split)
     if os.path.isdir(source):
@@ -141,13 +146,17 @@ def load_records(source: str, split: str = "train") -> list[dict]:
             if unnamed:
                 raise DataError(f"dataset folder {source} mixes files named for a split ("
                                 f"{', '.join(f for f in files if splits[f])}) with others ({', '.join(unnamed)}); "
-                                f"name every file for its split, or give the files one by one.")
-            picked = _pick_split(set(splits.values()), split)
-            if picked is None:
+                                f"name every file for its split, or give the file you mean in place of the folder.")
+            holding = _holding(set(splits.values()), split)
+            if not holding:
                 raise DataError(f"dataset folder {source} has no file of split {split!r} (its files are named for "
                                 f"{', '.join(sorted(set(splits.values())))}); name one of its splits with the split "
                                 f"flag (e.g. --dataset_split), or give that split's file.")
-            files = [f for f in files if splits[f] == picked]
+            if len(holding) > 1:  # train beside train_extra, or train_prefs beside train_sft: which is meant?
+                raise DataError(f"dataset folder {source} has files of several splits that {split!r} could mean "
+                                f"({', '.join(holding)}); name one of them whole with the split flag (e.g. "
+                                f"--dataset_split {holding[-1]}), or give the file you mean in place of the folder.")
+            files = [f for f in files if splits[f] == holding[0]]
         return [row for f in files for row in _read_file(os.path.join(source, f), split)]
     if source.endswith(DATA_EXTENSIONS) or source.startswith((".", "/", "~")):
         raise DataError(f"dataset file {source} does not exist; check the path.")

@@ -304,12 +304,35 @@ def test_split_names_beyond_the_bare_word_are_split_names(tmp_path):
     for split in ("train_prefs", "test_prefs", "train_sft"):
         write(hub, f"{split}-00000-of-00001.jsonl", [{"p": split}])
     assert data.load_records(str(hub), "test_prefs") == [{"p": "test_prefs"}]
-    with pytest.raises(data.DataError, match=r"has no file of split 'train' \(its files are named for test_prefs, "
-                                             r"train_prefs, train_sft\)"):
+    with pytest.raises(data.DataError, match=r"has files of several splits that 'train' could mean \(train_prefs, "
+                                             r"train_sft\); name one of them whole"):
         data.load_records(str(hub), "train")  # two names hold "train": the user must say which
     write(own, "my_train.jsonl", [{"p": "a"}])
     write(own, "my_test.jsonl", [{"p": "b"}])
     assert data.load_records(str(own), "train") == [{"p": "a"}] and data.load_records(str(own), "test") == [{"p": "b"}]
+
+
+def test_split_names_after_a_dot_and_splits_that_share_a_word(tmp_path):
+    """ultrafeedback.train.jsonl beside ultrafeedback.test.jsonl was cut at its first dot to "ultrafeedback", named no
+    split, and the folder was read whole for both flags: the test rows were trained on. train.jsonl beside
+    train_extra.jsonl gave only train.jsonl's rows for train, leaving train_extra's out without a word."""
+    write = lambda folder, name, rows: (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dotted, shared, hashed = tmp_path / "dotted", tmp_path / "shared", tmp_path / "hashed"
+    for folder in (dotted, shared, hashed):
+        folder.mkdir()
+    write(dotted, "ultrafeedback.train.jsonl", [{"p": "a"}, {"p": "b"}])
+    write(dotted, "ultrafeedback.test.jsonl", [{"p": "c"}])
+    assert [r["p"] for r in data.load_records(str(dotted), "train")] == ["a", "b"]
+    assert [r["p"] for r in data.load_records(str(dotted), "test")] == ["c"]
+    write(shared, "train.jsonl", [{"p": "a"}])
+    write(shared, "train_extra.jsonl", [{"p": "b"}])
+    with pytest.raises(data.DataError, match=r"several splits that 'train' could mean \(train, train_extra\)"):
+        data.load_records(str(shared), "train")
+    assert data.load_records(str(shared), "train_extra") == [{"p": "b"}]
+    write(hashed, "train-00000-of-00002-3f2a9c1e.jsonl", [{"p": "a"}])  # the hub's older parquet shard names
+    write(hashed, "train-00001-of-00002-77b0d4aa.jsonl", [{"p": "b"}])
+    write(hashed, "test-00000-of-00001-5e6f7a8b.jsonl", [{"p": "c"}])
+    assert [r["p"] for r in data.load_records(str(hashed), "train")] == ["a", "b"]
 
 
 def test_a_json_of_splits_and_a_json_of_lines(tmp_path):
