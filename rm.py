@@ -133,7 +133,7 @@ class Args:
     wandb_project: str = "rlhf-rm"
     """wandb project name"""
     # --- reward model
-    margin_key: str = "margin"
+    margin_key: str = data.DEFAULT_MARGIN_KEY
     """key of an optional per-pair margin the chosen reward must exceed the rejected one by (0 when absent)"""
     packing_samples: bool = False
     """pack each micro-batch into one row without padding"""

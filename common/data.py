@@ -553,6 +553,9 @@ def _end_at_response_eos(ids: list[int], mask: list[int], eos_id: int) -> tuple[
     return ids[: eos + 1], mask[: eos + 1]
 
 
+DEFAULT_MARGIN_KEY = "margin"  # rm.py's --margin_key: a dataset without margins lacks it, which is no mistake
+
+
 def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rejected_key, max_len,
                              apply_chat_template=False, input_template=None, margin_key=None, end_with_eos=False,
                              log=print) -> list[dict]:
@@ -564,6 +567,13 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
     """
     if not rows:
         raise DataError(f"dataset {source} is empty.")
+    without_margin = sum(margin_key not in row for row in rows) if margin_key else 0
+    if without_margin == len(rows) and margin_key != DEFAULT_MARGIN_KEY:  # a mistyped key would read as margin 0
+        raise DataError(f"no pair of {source} has {margin_key!r} (--margin_key); the keys of the first are "
+                        f"{sorted(rows[0])}. Give the key that holds the margins, or leave --margin_key out.")
+    if 0 < without_margin < len(rows):
+        log(f"warning: {source}: {without_margin} of {len(rows)} pairs have no {margin_key!r} (--margin_key); their "
+            f"margin is 0.")
     samples, truncated, identical, dropped = [], 0, 0, 0
     for i, row in enumerate(rows):
         prompt = get_key(row, input_key, i, source)

@@ -212,6 +212,23 @@ def test_responses_must_be_texts_in_every_builder(tokenizer):
             data.build_sft_samples(rows, tokenizer, "s.jsonl", "prompt", "response", 64)
 
 
+def test_margins_are_read_from_their_key_and_a_mistyped_key_is_refused(tokenizer):
+    """A --margin_key no pair holds gave every pair a margin of 0 without a word, as if the data had none."""
+    rows = [{"prompt": "What is 2+3?", "chosen": "5", "rejected": "6", "score_diff": 4.0},
+            {"prompt": "What is 2+4?", "chosen": "6", "rejected": "7", "score_diff": 1.5}]
+    build = lambda rows, key, log=print: data.build_preference_samples(
+        rows, tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64, margin_key=key, log=log)
+    assert [p["margin"] for p in build(rows, "score_diff")] == [4.0, 1.5]
+    with pytest.raises(data.DataError, match=r"no pair of p.jsonl has 'score_dif' \(--margin_key\); the keys of the "
+                                             r"first are \['chosen', 'prompt', 'rejected', 'score_diff'\]"):
+        build(rows, "score_dif")
+    assert [p["margin"] for p in build(rows, "margin")] == [0.0, 0.0]  # rm.py's default: data without margins
+    logs = []
+    del rows[1]["score_diff"]
+    assert [p["margin"] for p in build(rows, "score_diff", logs.append)] == [4.0, 0.0]
+    assert "1 of 2 pairs have no 'score_diff' (--margin_key); their margin is 0" in logs[0], logs
+
+
 def test_reward_pairs_cut_before_their_responses_are_dropped_not_scored_at_the_prompt(tokenizer):
     """rm.py reads a reward at the EOS it appends after truncation; a pair with no response token left would put
     that EOS right after the prompt on both sides, and train on two identical inputs with opposite labels."""
