@@ -371,6 +371,10 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
     """
     if not rows:
         raise DataError(f"dataset {source} is empty.")
+    if pretrain_mode and (apply_chat_template or input_template is not None):
+        raise DataError(f"--pretrain_mode trains on the text under {input_key!r} as it is, which "
+                        f"{'--apply_chat_template' if apply_chat_template else '--input_template'} would not change; "
+                        f"leave that flag out, or leave out --pretrain_mode to train on prompt/response pairs.")
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         with sample_context(source, i):
@@ -401,6 +405,10 @@ def _sft_text(row, i, tokenizer, source, input_key, output_key, apply_chat_templ
         if not isinstance(document, str):  # str() would have trained on the text "None" or "['a', 'b']"
             raise DataError(f"{source}, sample {i}: {input_key!r} must be the text to train on, got "
                             f"{type(document).__name__} {str(document)[:40]!r}.")
+        if output_key in row:  # a prompt/response row: its response would be left out
+            raise DataError(f"{source}, sample {i}: the row has {output_key!r} (--output_key) beside {input_key!r}, "
+                            f"and --pretrain_mode trains on {input_key!r} alone; give the key of the whole text "
+                            f"with --input_key, or leave out --pretrain_mode to train on prompt/response pairs.")
         text = (tokenizer.bos_token or "") + document + tokenizer.eos_token
         spans = [(0, len(text))]
     elif isinstance(row.get(input_key), list) and output_key not in row:

@@ -156,6 +156,15 @@ def test_templates_and_rows_that_would_train_on_the_wrong_text_are_one_sentence(
     with pytest.raises(data.DataError, match=r"test.jsonl, sample 1: 'text' must be the text to train on, got "
                                              r"NoneType 'None'"):
         build(tokenizer, [{"text": "a"}, {"text": None}], input_key="text", pretrain_mode=True)
+    # --pretrain_mode trained on the prompt alone of a prompt/response row, and ignored the rendering flags
+    with pytest.raises(data.DataError, match=r"test.jsonl, sample 0: the row has 'response' \(--output_key\) beside "
+                                             r"'prompt', and --pretrain_mode trains on 'prompt' alone"):
+        build(tokenizer, rows, pretrain_mode=True)
+    for flags, name in (({"apply_chat_template": True}, "--apply_chat_template"),
+                        ({"input_template": "Q: {} A:"}, "--input_template")):
+        with pytest.raises(data.DataError, match=f"--pretrain_mode trains on the text under 'text' as it is, which "
+                                                 f"{name} would not change"):
+            build(tokenizer, [{"text": "a"}], input_key="text", pretrain_mode=True, **flags)
     with pytest.raises(data.DataError, match="sample 0: the conversation under 'messages' does not end with an "
                                              "assistant turn to train on, and the row has no 'response'"):
         build(tokenizer, [{"messages": [{"role": "user", "content": "hi"}]}], input_key="messages")
