@@ -281,9 +281,22 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
                 "assistant turns cannot be located; use --input_template instead of --apply_chat_template."
             )
         end = max(len(before), len(through.rstrip()))  # after the turn's last character that is not whitespace
-        last = through.rfind(end_token, len(before)) if end_token else -1
+        last = through.rfind(end_token, len(before), closing_tail_at(tokenizer, messages[: i + 1], through)) \
+            if end_token else -1
         spans.append((len(before), min(end, last + len(end_token)) if last >= 0 else end))
     return text, spans
+
+
+def closing_tail_at(tokenizer, messages: list[dict], rendered: str) -> int:
+    """Where what the template writes only to close a conversation begins in `rendered` (Phi-3's EOS after the last
+    turn): the end of the part it shares with the same messages followed by a generation prompt. A template whose
+    EOS is also its end-of-turn token (Phi-3 with eos_token <|end|>) writes "5<|end|>\n<|end|>", and the turn ends at
+    the first of the two."""
+    try:
+        continued = chat_text(tokenizer, messages, add_generation_prompt=True)
+    except DataError:  # a template that asks for no generation prompt after an assistant turn
+        return len(rendered)
+    return len(os.path.commonprefix([rendered, continued]))
 
 
 SENTINEL = "\x00reply\x00"  # an assistant message whose end the template shows

@@ -86,6 +86,13 @@ def test_what_a_template_writes_after_the_last_end_of_turn_token_is_not_trained_
                 {"role": "user", "content": "Add 4 and 5."}, {"role": "assistant", "content": "9"}]
     (conversation,) = build(phi3, [{"messages": messages}], input_key="messages")
     assert masked_text(phi3, conversation) == "3<|im_end|>9<|im_end|>"
+    # Phi-3 checkpoints whose EOS is the end-of-turn token: "5<|end|>\n<|end|>", and the turn ends at the first
+    phi3.eos_token = "<|im_end|>"
+    (sample,) = build(phi3, [{"prompt": "What is 2+3?", "response": "5"}], apply_chat_template=True)
+    assert phi3.decode(sample["input_ids"]).endswith("5<|im_end|>\n<|im_end|>")
+    assert masked_text(phi3, sample) == "5<|im_end|>"
+    (conversation,) = build(phi3, [{"messages": messages}], input_key="messages")
+    assert masked_text(phi3, conversation) == "3<|im_end|>9<|im_end|>"
 
 
 # Qwen2.5's shape for tool calls: the call follows the content, inside added tokens that are not special.
