@@ -74,7 +74,7 @@ from common.checkpoint import (check_keep_last, check_settings, describe, load_t
 from common.data import (DataError, build_sft_samples, decode_response, get_key, get_labels, load_records, pad_collate,
                          render_prompt, reward_model_input_ids, sample_context, stream_indices)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
-                                    load_model, load_tokenizer, trained_zero_stage)
+                                    load_model, load_tokenizer, mpi_launch, trained_zero_stage)
 from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, share_cores, use_gpus, wait)
@@ -1415,9 +1415,10 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_R
 def drives_the_run() -> bool:
     """`deepspeed ppo_ray.py` starts one process per GPU; Ray places every worker itself, so only the process of
     RANK 0 (or a plain `python ppo_ray.py`, which has no RANK) drives, and the others leave at once with exit code 0:
-    the launcher stops every process as soon as one exits with another. The driver forgets the launcher's world, so
-    that the Ray workers it starts, which inherit its environment, do not take it for theirs."""
-    rank = os.environ.get("RANK", "0")
+    the launcher stops every process as soon as one exits with another (an MPI or SLURM launch sets no RANK: its own
+    variables say the rank). The driver forgets the launcher's world, so that the Ray workers it starts, which
+    inherit its environment, do not take it for theirs."""
+    rank = os.environ.get("RANK", str(mpi_launch()[1]))
     if rank != "0":
         print(f"ppo_ray.py: launcher rank {rank} exits; the process of rank 0 drives the run, Ray starts the workers.")
         return False

@@ -28,7 +28,7 @@ from common import checkpoint, data, lora
 from common.args import (check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing, parse_args,
                          run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
-                                    load_model, load_tokenizer)
+                                    load_model, load_tokenizer, mpi_launch)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import next_token_logprobs, response_start
 
@@ -171,8 +171,8 @@ def main(args: Args):
     lora.check_args(args)
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
-    launcher_rank = int(os.environ.get("RANK", "0"))
-    launcher_world_size = int(os.environ.get("WORLD_SIZE", 1))
+    launcher_rank = int(os.environ.get("RANK", mpi_launch()[1]))  # (mpirun and srun set no RANK)
+    launcher_world_size = int(os.environ.get("WORLD_SIZE", mpi_launch()[0]))
     gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size, launcher_world_size)
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
     # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads

@@ -5,6 +5,7 @@ on CPU in fp32 with gloo. `python script.py` runs as a single rank; `deepspeed -
 """
 
 import glob
+import importlib.util
 import math
 import os
 import sys
@@ -62,18 +63,42 @@ def keep_freed_cpu_memory() -> bool:
     return get_accelerator().device_name() == "cpu" and keep_freed_memory()
 
 
+# What an MPI or SLURM launch (`deepspeed --launcher openmpi|mvapich|slurm`, mpirun, srun) sets in each process it
+# starts in place of WORLD_SIZE and RANK: Open MPI's, MPICH's (PMI), MVAPICH's and SLURM's names.
+MPI_SIZE_AND_RANK_VARS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("PMI_SIZE", "PMI_RANK"),
+                          ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"), ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"))
+
+
+def mpi_launch() -> tuple[int, int]:
+    """(processes, this one's rank) of an MPI or SLURM launch of several processes; (1, 0) for anything else."""
+    for size_var, rank_var in MPI_SIZE_AND_RANK_VARS:
+        size, rank = os.environ.get(size_var, ""), os.environ.get(rank_var, "")
+        if size.isdigit() and int(size) > 1 and rank.isdigit():
+            return int(size), int(rank)
+    return 1, 0
+
+
 def init_distributed() -> tuple[int, int, int]:
     """Join (or, under plain `python`, create) the default process group; return (rank, world_size, local_rank).
-    On CPU, also keep_freed_cpu_memory: every trainer and model worker comes through here."""
+    On CPU, also keep_freed_cpu_memory: every trainer and model worker comes through here.
+
+    Launched by `deepspeed`/torchrun, RANK and the rest are set. An MPI or SLURM launch sets none of them, and
+    DeepSpeed finds the ranks through mpi4py; filling in a world of one there made every process train alone."""
     keep_freed_cpu_memory()
-    if "RANK" not in os.environ:  # plain `python script.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port("127.0.0.1")))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():  # a visible device's index, also under Ray (ray_workers.join_world): DeepSpeed's
-        torch.cuda.set_device(local_rank)  # engine and zero.Init call set_device(LOCAL_RANK) themselves
+    if "RANK" not in os.environ:
+        if mpi_launch()[0] > 1:
+            if importlib.util.find_spec("mpi4py") is None:
+                raise UserError(f"this process is one of {mpi_launch()[0]} started by an MPI or SLURM launcher, "
+                                f"which sets no RANK: DeepSpeed finds the ranks through mpi4py. Install it (pip "
+                                f"install mpi4py), or launch with `deepspeed` or torchrun instead.")
+        else:  # plain `python script.py`: a world of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port("127.0.0.1")))
     wait_for_op_builds()  # the CPU backend's shared-memory op is built on first use
-    deepspeed.init_distributed()
+    deepspeed.init_distributed()  # (under MPI, it sets RANK, WORLD_SIZE and LOCAL_RANK; on CUDA it binds the group
+    local_rank = int(os.environ["LOCAL_RANK"])  # to device LOCAL_RANK)
+    if torch.cuda.is_available():  # a visible device's index, also under Ray (ray_workers.join_world); DeepSpeed's
+        torch.cuda.set_device(local_rank)  # engine and zero.Init call set_device(LOCAL_RANK) themselves
     unlink_shared_workspace()
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
 

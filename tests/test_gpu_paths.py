@@ -133,6 +133,26 @@ def test_only_rank_zero_of_a_launcher_drives(monkeypatch, capsys):
     assert ppo_ray.drives_the_run()  # plain `python ppo_ray.py`: no RANK at all
 
 
+def test_an_mpi_or_slurm_launch_is_not_taken_for_a_world_of_one(monkeypatch):
+    """`deepspeed --launcher openmpi|slurm` (mpirun, srun) sets no RANK: init_distributed filled in a world of one,
+    and every process trained alone, wrote the same checkpoints, and ppo_ray.py started one driver per process."""
+    for key in ("RANK", *(name for pair in deepspeed_utils.MPI_SIZE_AND_RANK_VARS for name in pair)):
+        monkeypatch.delenv(key, raising=False)
+    assert deepspeed_utils.mpi_launch() == (1, 0)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # plain `python` in a SLURM job: a world of one
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert deepspeed_utils.mpi_launch() == (1, 0)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    assert deepspeed_utils.mpi_launch() == (4, 2)
+    assert not ppo_ray.drives_the_run()
+    monkeypatch.setattr(deepspeed_utils.importlib.util, "find_spec", lambda name: None)  # no mpi4py
+    with pytest.raises(deepspeed_utils.UserError, match="one of 4 started by an MPI or SLURM launcher, which sets no "
+                                                        "RANK: DeepSpeed finds the ranks through mpi4py"):
+        deepspeed_utils.init_distributed()
+    assert "RANK" not in os.environ
+
+
 @pytest.mark.slow
 def test_deepspeed_launcher_on_a_two_gpu_host_starts_one_driver(tmp_path):
     """`deepspeed --num_gpus 2 ppo_ray.py` with a flag mistake: rank 1 leaves with its line and exit code 0 (which the
