@@ -62,7 +62,7 @@ from typing import Literal
 
 import ray
 import torch
-
+import torch.distributed as dist
 from transformers import AutoModelForSequenceClassification
 
 from common import lora, memory_plan, multi_turn, rewards
@@ -324,7 +324,7 @@ def update_is_on_policy(args: Args) -> bool:
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
-                agg="token-mean", max_len=1):
+                agg="token-mean", max_len=1, count=None):
     """PPO's clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss; all tensors (batch, seq).
 
         J_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),   r_t = pi(a_t) / pi_old(a_t)
@@ -332,7 +332,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
     Separate clip ranges give DAPO's clip-higher (Yu et al. 2025): a larger 1 + clip_high lets unlikely tokens with
     a positive advantage grow, against entropy collapse. `dual_clip` = c > 1 bounds J_t below by c A_t where A_t < 0
     (Ye et al. 2020): a ratio far above 1 on a bad token no longer makes the loss unbounded. `weights` multiply each
-    token's J_t (the truncated importance ratio of --vllm_is_correction). `agg`: tricks.aggregate.
+    token's J_t (the truncated importance ratio of --vllm_is_correction). `agg`, `count`: tricks.aggregate.
     Returns (loss, clip fraction, approximate KL between the old and new policy).
     """
     # padding may hold anything (another micro-batch's layout): an exp that overflows there makes the gradient NaN
@@ -345,7 +345,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
         surrogate = surrogate * weights
     clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
     approx_kl = 0.5 * log_ratio.pow(2)
-    return (-tricks.aggregate(surrogate, mask, agg, max_len), tricks.masked_mean(clipped, mask),
+    return (-tricks.aggregate(surrogate, mask, agg, max_len, count), tricks.masked_mean(clipped, mask),
             tricks.masked_mean(approx_kl, mask))
 
 
@@ -358,6 +358,18 @@ def clip_range(args: Args) -> tuple[float, float]:
 def loss_agg(args: Args) -> str:
     """--loss_agg, or its default: Dr. GRPO's unnormalised sequence sums for dr_grpo, else the mean over tokens."""
     return args.loss_agg or ("seq-mean-token-sum-norm" if args.advantage_estimator == "dr_grpo" else "token-mean")
+
+
+def train_batch_count(micro_batches: list[dict], agg: str) -> torch.Tensor:
+    """What --loss_agg `agg` divides by over a train batch (tricks.aggregate_count): over these micro-batches of one
+    optimizer step, and those of the other ranks. Each micro-batch's loss divided by it is its share of the batch's
+    aggregate: a per-micro-batch mean would weigh a token of a micro-batch with few tokens more (with one response
+    a micro-batch, token-mean would be GRPO's mean over responses), and count a micro-batch whose responses
+    --overlong_filter all took out as a loss of 0."""
+    count = sum(tricks.aggregate_count(mb["action_mask"], agg) for mb in micro_batches)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count)
+    return count
 
 
 def truncated_is_weights(old_logprobs, vllm_logprobs, mask, cap):
@@ -705,8 +717,15 @@ class ActorWorker(ReferenceWorker):
         self.engine.train()
         lr = self.engine.get_lr()[0]  # the rate of this fit's first update; the scheduler moves on after each
         on_policy = []  # old_logprob_metrics of each micro-batch, where the update makes the old log-probs itself
+        agg, accumulation = loss_agg(args), self.engine.gradient_accumulation_steps()
+        # DeepSpeed averages the micro-batches' losses over an optimizer step's micro-batches and ranks; each loss
+        # is its micro-batch's share of the whole train batch's aggregate, times what that average divides by.
+        scale = accumulation * self.world_size
         for epoch in range(args.max_epochs):
-            for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
+            micro_batches = split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch)
+            for index, mb in enumerate(micro_batches):
+                if index % accumulation == 0:  # an optimizer step's first micro-batch: the count of its train batch
+                    count = train_batch_count(micro_batches[index:index + accumulation], agg)
                 logprobs, entropy = self._logprobs(mb, with_entropy=True)
                 mask = mb["action_mask"]
                 if "old_logprobs" not in mb:  # update_is_on_policy: these weights sampled the batch
@@ -717,12 +736,14 @@ class ActorWorker(ReferenceWorker):
                             mb["old_logprobs"], mb["vllm_logprobs"], mask, args.vllm_is_cap)
                 loss, clipfrac, approx_kl = policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip,
-                    mb.get("is_weights"), loss_agg(args), args.generate_max_len)
+                    mb.get("is_weights"), agg, args.generate_max_len, count)
                 if args.advantage_estimator in KL_IN_LOSS and "ref_logprobs" in mb:  # GRPO's KL: k3, in the loss
                     kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3", mask)
-                    loss = loss + kl_coef * tricks.aggregate(kl, mask, loss_agg(args), args.generate_max_len)
+                    loss = loss + kl_coef * tricks.aggregate(kl, mask, agg, args.generate_max_len, count)
                 mean_entropy = tricks.masked_mean(entropy, mask)
-                loss = loss - args.entropy_coef * mean_entropy
+                if args.entropy_coef:
+                    loss = loss - args.entropy_coef * tricks.aggregate(entropy, mask, agg, args.generate_max_len, count)
+                loss = loss * scale
                 if self.ptx:  # InstructGPT's PPO-ptx: keep the pretraining distribution's likelihood up
                     picked = self._ptx_rows(step * micro_batches_per_step + len(stats))
                     ptx = pad_collate(picked, self.tokenizer.pad_token_id)

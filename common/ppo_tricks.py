@@ -54,7 +54,8 @@ def response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(has_tokens, values, 0.0).sum() / has_tokens.sum().clamp(min=1)
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 1) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 1,
+              count: torch.Tensor | float | None = None) -> torch.Tensor:
     """A per-token loss (batch, seq) as one number, by how much each token and each sequence weighs.
 
     - "token-mean": the mean over every masked token of the batch: each token weighs the same, so a long response
@@ -65,16 +66,27 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int = 
       sequences: no length normalisation, which with GRPO's favours long wrong answers (Dr. GRPO, Liu et al. 2025).
 
     A sequence with no masked token (one --overlong_filter took out) is not counted in a mean over sequences.
+    `count`: where `loss` is one micro-batch of a larger batch, that batch's aggregate_count; the micro-batch then
+    gives its share of the batch's aggregate, and the shares of all its micro-batches add up to it.
     """
     mask = mask.bool()
     if mode == "token-mean":
-        return masked_mean(loss, mask)
-    if mode == "seq-mean-token-mean":
-        return response_mean(masked_mean(loss, mask, dim=-1), mask)
-    if mode == "seq-mean-token-sum-norm":
-        return response_mean(torch.where(mask, loss, 0.0).sum(-1) / max_len, mask)
-    raise ValueError(f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
-                     f"'seq-mean-token-sum-norm'.")
+        total = torch.where(mask, loss, 0.0).sum()
+    elif mode == "seq-mean-token-mean":
+        total = torch.where(mask.any(-1), masked_mean(loss, mask, dim=-1), 0.0).sum()
+    elif mode == "seq-mean-token-sum-norm":
+        total = torch.where(mask, loss, 0.0).sum() / max_len
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
+                         f"'seq-mean-token-sum-norm'.")
+    count = aggregate_count(mask, mode) if count is None else count
+    return total / (count.clamp(min=1) if torch.is_tensor(count) else max(count, 1))
+
+
+def aggregate_count(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What `aggregate` divides by: the masked tokens for "token-mean", else the responses with a masked token."""
+    mask = mask.bool()
+    return mask.sum() if mode == "token-mean" else mask.any(-1).sum()
 
 
 # ----------------------------------------------------------------------------------------------- advantages

@@ -55,11 +55,14 @@ class RecordingEngine(torch.nn.Module):
     def get_lr(self):
         return [0.0]
 
+    def gradient_accumulation_steps(self):
+        return 1
+
 
 def worker(cls, engine, **flags):
     """A worker object as its Ray actor holds it after setup(), without Ray or DeepSpeed."""
     w = object.__new__(cls)
-    w.args, w.engine, w.ptx = ppo_ray.Args(**flags), engine, None
+    w.args, w.engine, w.ptx, w.world_size = ppo_ray.Args(**flags), engine, None, 1
     return w
 
 

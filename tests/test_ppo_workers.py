@@ -14,8 +14,8 @@ PAD_COLLATE = data.pad_collate  # the real one, which the ptx test wraps
 class FakeEngine:
     """The part of a DeepSpeed engine the workers use, around a plain model: forward, backward, step, lr."""
 
-    def __init__(self, model):
-        self.module = model
+    def __init__(self, model, accumulation: int = 1):
+        self.module, self.accumulation, self.micro_steps, self.gradients = model, accumulation, 0, []
 
     def __call__(self, **kwargs):
         return self.module(**kwargs)
@@ -26,11 +26,17 @@ class FakeEngine:
     def eval(self):
         self.module.eval()
 
-    def backward(self, loss):
-        loss.backward()
+    def gradient_accumulation_steps(self):
+        return self.accumulation
 
-    def step(self):
-        self.module.zero_grad()
+    def backward(self, loss):  # DeepSpeed's mean over the micro-batches of an optimizer step
+        (loss / self.accumulation).backward()
+
+    def step(self):  # at each optimizer step, keep the accumulated gradients, then clear them
+        self.micro_steps += 1
+        if self.micro_steps % self.accumulation == 0:
+            self.gradients.append({n: p.grad.clone() for n, p in self.module.named_parameters() if p.grad is not None})
+            self.module.zero_grad()
 
     def get_lr(self):
         return [0.0]
@@ -107,10 +113,10 @@ def test_the_actor_update_hands_each_loss_option_to_the_loss(tiny_model, monkeyp
     real, seen = ppo_ray.policy_loss, []
 
     def recording(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
-                  agg="token-mean", max_len=1):
+                  agg="token-mean", max_len=1, count=None):
         seen.append({"clip": (clip_low, clip_high), "dual_clip": dual_clip, "weighted": weights is not None,
                      "agg": agg, "max_len": max_len})
-        return real(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip, weights, agg, max_len)
+        return real(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip, weights, agg, max_len, count)
 
     monkeypatch.setattr(ppo_ray, "policy_loss", recording)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -122,6 +128,72 @@ def test_the_actor_update_hands_each_loss_option_to_the_loss(tiny_model, monkeyp
     worker(ppo_ray.ActorWorker, args, engine, tokenizer).fit(experience, 0.0, 0)
     default = {"clip": (0.2, 0.2), "dual_clip": None, "weighted": False, "agg": "token-mean", "max_len": 8}
     assert seen == [{**default, **handed}]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_an_optimizer_steps_gradient_does_not_depend_on_how_its_batch_is_cut_into_micro_batches(tiny_model, agg):
+    """Each micro-batch was aggregated on its own and DeepSpeed averaged them: with one response a micro-batch,
+    token-mean weighed each response alike (GRPO's mean, not DAPO's), and a micro-batch whose responses
+    --overlong_filter all took out counted as a loss of 0, shrinking the step. Now four responses of 2, 6, 3 and 9
+    tokens, one of them filtered out, give the same gradient in 1 micro-batch of 4, 2 of 2 or 4 of 1."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    experience = experience_batch(tokenizer, [2, 6, 3, 9])
+    experience["action_mask"][1] = 0  # --overlong_filter's doing
+    experience["advantages"] = torch.tensor([1.0, -2.0, -0.5, 0.7])[:, None] * experience["action_mask"]
+    gradients = {}
+    for micro in (4, 2, 1):
+        torch.manual_seed(0)
+        engine = FakeEngine(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), 4 // micro)
+        args = ppo_ray.Args(micro_train_batch_size=micro, max_epochs=1, advantage_estimator="rloo", loss_agg=agg,
+                            generate_max_len=16)
+        batch = {k: v.clone() for k, v in experience.items() if k != "old_logprobs"}  # on policy, ratio 1
+        worker(ppo_ray.ActorWorker, args, engine, tokenizer).fit(batch, 0.0, 0)
+        (gradients[micro],) = engine.gradients
+    for micro in (2, 1):
+        for name, grad in gradients[4].items():
+            torch.testing.assert_close(gradients[micro][name], grad, rtol=1e-4, atol=1e-7, msg=f"{agg} {micro} {name}")
+
+
+LENGTHS, ADVANTAGES = [2, 6, 3, 9], [1.0, -2.0, -0.5, 0.7]  # the second response: taken out by --overlong_filter
+
+
+def fit_gradient(model_dir: str, rows: list[int], world_size: int = 1, rank: int = 0) -> dict:
+    """The gradient of one token-mean optimizer step of fit() over these rows of the batch, on one rank of
+    world_size (DeepSpeed's mean over ranks left to the caller)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    experience = experience_batch(tokenizer, LENGTHS)
+    experience["action_mask"][1] = 0
+    experience["advantages"] = torch.tensor(ADVANTAGES)[:, None] * experience["action_mask"]
+    batch = {k: v[rows].clone() for k, v in experience.items() if k != "old_logprobs"}
+    torch.manual_seed(0)
+    engine = FakeEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    args = ppo_ray.Args(micro_train_batch_size=len(rows), max_epochs=1, advantage_estimator="rloo")
+    worker(ppo_ray.ActorWorker, args, engine, tokenizer, rank, world_size).fit(batch, 0.0, 0)
+    return engine.gradients[0]
+
+
+def _rank_fit(rank: int, model_dir: str, port: int, out: str):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    gradients = fit_gradient(model_dir, [2 * rank, 2 * rank + 1], 2, rank)
+    for grad in gradients.values():
+        torch.distributed.all_reduce(grad)
+        grad /= 2  # DeepSpeed's mean over ranks
+    if rank == 0:
+        torch.save(gradients, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_weigh_each_token_of_the_train_batch_as_one_rank_does(tiny_model, tmp_path):
+    """The train batch's token count is summed over the ranks: rank 0 holds 2 of its 14 tokens (its other response
+    filtered out), rank 1 holds 12; a mean per rank would weigh rank 0's tokens 6 times as much as rank 1's."""
+    import torch.multiprocessing as mp
+
+    from common.net import free_port
+
+    out = str(tmp_path / "gradients.pt")
+    mp.spawn(_rank_fit, args=(tiny_model, free_port(), out), nprocs=2, join=True)
+    for name, grad in fit_gradient(tiny_model, [0, 1, 2, 3]).items():
+        torch.testing.assert_close(torch.load(out)[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------- critic
