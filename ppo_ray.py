@@ -70,7 +70,7 @@ from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
                          check_output_dir, check_packing, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
-                               save_train_state, write_atomically)
+                               save_train_state, write_atomically, zero_layout)
 from common.data import (DataError, build_sft_samples, decode_response, get_key, get_labels, load_records, pad_collate,
                          render_prompt, reward_model_input_ids, sample_context, stream_indices)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
@@ -1217,9 +1217,13 @@ def trained_roles(roles: dict) -> dict:
 def resume_settings(args: Args) -> dict:
     """What fixes the prompt order, the update's batches and the ZeRO partitioning: a resumed run must match it."""
     names = ["seed", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "actor_num_workers"]
-    if args.advantage_estimator == "gae":  # the critic's ZeRO partitioning
+    roles = ["actor", "critic"] if args.advantage_estimator == "gae" else ["actor"]
+    if "critic" in roles:  # the critic's ZeRO partitioning
         names.append("critic_num_workers")
-    return {**{f"--{name}": getattr(args, name) for name in names}, **lora.settings(args)}
+    stages = {f"the {role}'s --zero_stage": zero_layout(trained_zero_stage(
+        args.zero_stage, getattr(args, f"{role}_num_workers"), args.offload_optimizer, args.load_in_4bit))
+        for role in roles}
+    return {**{f"--{name}": getattr(args, name) for name in names}, **stages, **lora.settings(args)}
 
 
 def checkpoint_dir(args: Args) -> str:

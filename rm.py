@@ -218,7 +218,8 @@ def main(args: Args):
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
     # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size, **lora.settings(args)}
+                "the number of ranks": launcher_world_size, "--zero_stage": checkpoint.zero_layout(args.zero_stage),
+                **lora.settings(args)}
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding

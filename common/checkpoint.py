@@ -215,6 +215,12 @@ def check_settings(saved: dict | None, settings: dict, ckpt_dir: str) -> None:
                         f"{saved[k]} to resume it, or give another --output_dir (or --ckpt_dir) to start anew.")
 
 
+def zero_layout(stage: int) -> str:
+    """The ZeRO stages whose checkpoints load into each other, named for check_settings: 1 and 2 share one layout;
+    0 and 3 have their own (DeepSpeed fails deep inside load_checkpoint across them)."""
+    return "1 or 2" if stage in (1, 2) else str(stage)
+
+
 def check_resume(ckpt_dir: str, settings: dict, step: int | None = None, keep_last: int = 1) -> None:
     """check_settings against the settings.json of the checkpoint a run in ckpt_dir would resume (the latest, or
     that of `step`); nothing to check when there is none. Also check_keep_last. Cheap: the trainers call it before

@@ -272,11 +272,17 @@ def test_ppo_ray_refuses_to_resume_a_checkpoint_of_other_settings(tiny_model, ta
     assert code == 2 and stderr.count("error: ") == 1 and "Traceback" not in stderr, stderr
     assert "holds a run made with --rollout_batch_size 512, not 256; rerun with --rollout_batch_size 512" in stderr
     assert state.read_text() == before
+    # one actor worker trains at ZeRO-0 unless --zero_stage says otherwise; a stage-3 checkpoint would not load
+    state.write_text(json.dumps({"step": 4, "kl_ctl": {}, "settings": {"the actor's --zero_stage": "3"}}))
+    code, stderr = run_in_process("ppo_ray", argv, capsys)
+    assert code == 2 and "holds a run made with the actor's --zero_stage 3, not 0; rerun with the actor's " \
+                         "--zero_stage 3 to resume it" in stderr, stderr
 
 
 @pytest.mark.parametrize("script", TRAINERS)
 @pytest.mark.parametrize("flag,value,saved", [("--train_batch_size", 4, 8), ("--seed", 1, 42),
-                                              ("the number of ranks", None, 2)])
+                                              ("the number of ranks", None, 2),
+                                              ("--zero_stage", 3, "1 or 2")])  # DeepSpeed: a bare AssertionError
 def test_a_trainer_refuses_to_resume_a_checkpoint_of_other_settings_before_loading(script, flag, value, saved,
                                                                                    tiny_model, task, tmp_path,
                                                                                    capsys, monkeypatch):
