@@ -544,11 +544,13 @@ def _tokenize_span(tokenizer, text: str, span: tuple[int, int], max_len: int,
     (end_with_eos: cut after the response's EOS, and end a truncated row with one), and whether it was cut."""
     ids, mask = tokenize_with_spans(tokenizer, text, [span])
     mask[0] = 0  # the first token has nothing before it to be predicted from
-    if end_with_eos:
+    if end_with_eos:  # a reward is read at an EOS, even after truncation
         ids, mask = _end_at_response_eos(ids, mask, tokenizer.eos_token_id)
+        if ids[-1] != tokenizer.eos_token_id:
+            ids, mask = ids + [tokenizer.eos_token_id], mask + [1]
     truncated = len(ids) > max_len
     ids, mask = ids[:max_len], mask[:max_len]
-    if end_with_eos and ids[-1] != tokenizer.eos_token_id:  # a reward is read at an EOS, even after truncation
+    if end_with_eos and ids[-1] != tokenizer.eos_token_id:
         ids, mask = ids[: max_len - 1] + [tokenizer.eos_token_id], mask[: max_len - 1] + [1]
         if not any(mask[:-1]):  # none of the response is left, only the EOS after the prompt: nothing to score
             mask = [0] * len(mask)
@@ -556,22 +558,24 @@ def _tokenize_span(tokenizer, text: str, span: tuple[int, int], max_len: int,
 
 
 def _end_at_response_eos(ids: list[int], mask: list[int], eos_id: int) -> tuple[list[int], list[int]]:
-    """Cut a rendered prompt + response right after the response's first EOS.
+    """Cut a rendered prompt + response right after the response's first EOS, or, where it has none, right after
+    the response (a chat template's span ends at its end-of-turn token: Gemma's "5<end_of_turn>").
 
     A reward model is read at the EOS that ends the response, and PPO scores what the policy generated: the prompt,
     the response and the EOS at which generation stopped. Chat templates that write more after the end-of-turn
-    token (ChatML's "<|im_end|>\n") would otherwise leave that tail in the training rows, and the appended EOS
-    after it would be read in a context the policy's rollouts never have. The response is the last run of masked
-    tokens (earlier assistant turns of a conversation are runs of their own).
+    token (ChatML's "<|im_end|>\n", Gemma's "<end_of_turn>\n") would otherwise leave that tail in the training
+    rows, and the appended EOS after it would be read in a context the policy's rollouts never have; and a row that
+    just fit --max_len would lose the tail's last token to the EOS where shorter rows keep it. The response is the
+    last run of masked tokens (earlier assistant turns of a conversation are runs of their own).
     """
     end = max((i for i, m in enumerate(mask) if m), default=-1)
+    if end < 0:
+        return ids, mask
     start = end
     while start > 0 and mask[start - 1]:
         start -= 1
-    eos = next((i for i in range(max(start, 0), end + 1) if ids[i] == eos_id), None)
-    if eos is None:
-        return ids, mask
-    return ids[: eos + 1], mask[: eos + 1]
+    cut = next((i for i in range(start, end + 1) if ids[i] == eos_id), end)
+    return ids[: cut + 1], mask[: cut + 1]
 
 
 DEFAULT_MARGIN_KEY = "margin"  # rm.py's --margin_key: a dataset without margins lacks it, which is no mistake

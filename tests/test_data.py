@@ -454,6 +454,26 @@ class _Args:
     """optional name"""
 
 
+def test_reward_model_rows_end_alike_whatever_their_length_where_the_end_of_turn_token_is_not_the_eos():
+    """Gemma writes "<end_of_turn>\n" after each turn and its EOS is another token: the row was the template's text
+    with the EOS after the newline, except a row that just fit --max_len, whose newline the EOS replaced; the reward
+    model read its score in two contexts for one response. Now every row ends "<end_of_turn><eos>", and a row is
+    counted as cut only when the response lost a token."""
+    from transformers import PreTrainedTokenizerFast
+
+    from common.tiny_model import build_tokenizer
+
+    chatml = build_tokenizer(chat_format="chatml")
+    gemma_like = PreTrainedTokenizerFast(tokenizer_object=chatml.backend_tokenizer, pad_token="<pad>",
+                                         eos_token="<|endoftext|>", chat_template=TOOL_TEMPLATE)
+    ids = data.reward_model_input_ids(gemma_like, "What is 2+3?", "5", max_len=128, apply_chat_template=True)
+    assert gemma_like.decode(ids).endswith("5<|im_end|><|endoftext|>")
+    for max_len in (len(ids), len(ids) + 1):  # the row just fits: the same row
+        assert data.reward_model_input_ids(gemma_like, "What is 2+3?", "5", max_len, apply_chat_template=True) == ids
+    sample, cut = data._tokenize_response(gemma_like, "What is 2+3?", "5", len(ids) - 1, True, None, True)
+    assert cut and gemma_like.decode(sample["input_ids"]).endswith("5<|endoftext|>")  # its end-of-turn token lost
+
+
 def test_args_docstrings_become_help_and_booleans_parse():
     assert "peak learning rate" in build_parser(_Args).format_help()
     assert parse_args(_Args, ["--packing"]).packing is True
