@@ -223,11 +223,15 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
         check_causal_lm(path, flag)
     hf_ds_config = HfDeepSpeedConfig(config) if config["zero_optimization"]["stage"] == 3 else None
     dtype = torch.bfloat16 if use_bf16() else torch.float32
-    attn = attention_implementation(dtype)
-    try:
-        model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn, **kwargs)
-    except OSError as e:
-        raise UserError(f"{flag} {path}: no model could be loaded ({e}).") from None
+    for attn in dict.fromkeys([attention_implementation(dtype), "sdpa", "eager"]):  # the fastest the model takes
+        try:
+            model = model_class.from_pretrained(path, dtype=dtype, attn_implementation=attn, **kwargs)
+            break
+        except OSError as e:
+            raise UserError(f"{flag} {path}: no model could be loaded ({e}).") from None
+        except ValueError as e:  # e.g. GPT-J: "does not support an attention implementation through sdpa yet"
+            if "attention implementation" not in str(e) or attn == "eager":
+                raise
     model._hf_ds_config = hf_ds_config
     model.config.use_cache = False
     if not dropout:

@@ -1,6 +1,6 @@
 """common/modeling.next_token_logprobs from a start column, as sft.py, dpo.py and kto.py call it with their loss
 mask's response_start: the LM head runs on the positions from there only, and the log-probs equal the full logits'
-there, 0 before, on a padded batch and on a packed row."""
+there, 0 before, on a padded batch and on a packed row. And load_model on a family without sdpa attention."""
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -41,3 +41,17 @@ def test_next_token_logprobs_from_the_response_start_equal_the_full_ones(tiny_mo
         assert (skipped[:, :start] == 0).all()
         trained = batch["loss_mask"][:, 1:].bool()
         torch.testing.assert_close(skipped[trained], full[trained], rtol=0, atol=1e-5)
+
+
+def test_a_model_without_sdpa_attention_loads_with_eager(tmp_path):
+    """GPT-J (and others) refuse attn_implementation="sdpa" with a ValueError: load_model asked for it whatever the
+    model, so such a family could not be trained at all; it now takes the fastest implementation the model has."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    from common.deepspeed_utils import ds_config, load_model
+
+    GPTJForCausalLM(GPTJConfig(n_embd=64, n_layer=1, n_head=2, vocab_size=64, n_positions=32, rotary_dim=16)
+                    ).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), ds_config(0, 1, 1, 1))
+    assert type(model).__name__ == "GPTJForCausalLM" and model.config._attn_implementation == "eager"
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)
