@@ -949,8 +949,9 @@ def check_args(args: Args) -> None:
     check_causal_lm(args.pretrain)
     if args.packing_samples:  # the reward models score padded rows
         check_packing(args.pretrain)
-        if args.critic_pretrain:
-            check_packing(args.critic_pretrain, "--critic_pretrain")
+        if args.advantage_estimator == "gae" and critic_path(args) != args.pretrain:  # the critic trains packed
+            check_packing(critic_path(args), "--critic_pretrain" if args.critic_pretrain else
+                          "--reward_pretrain (where the critic starts)")
     check_output_dir(args.output_dir)
     check_resumable(args)
     sequence = ("--prompt_max_len + --generate_max_len", args.prompt_max_len + args.generate_max_len,
@@ -982,9 +983,13 @@ def start_ray(args: Args) -> None:
     stop_on_sigterm()  # Ray's driver took SIGTERM over (it aborts); a stop should say what survives
 
 
+def critic_path(args: Args) -> str:
+    """Where the critic starts: --critic_pretrain, else the first reward model, else the policy."""
+    return args.critic_pretrain or (args.reward_pretrain[0] if args.reward_pretrain else args.pretrain)
+
+
 def place_roles(args: Args, total_actor_steps: int) -> dict:
     """Start every role's workers and the vLLM engines on placement groups, colocated as asked."""
-    critic_path = args.critic_pretrain or (args.reward_pretrain[0] if args.reward_pretrain else args.pretrain)
     use_critic = args.advantage_estimator == "gae"
     reward_paths = args.reward_pretrain or []
     cpus = args.cpus_per_worker
@@ -1029,8 +1034,8 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
                              role="reference")
     critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
     if use_critic:
-        roles["critic"] = start(CriticWorker, critic_pg, shares["critic"], args=(args, critic_path, total_actor_steps),
-                                role="critic")
+        roles["critic"] = start(CriticWorker, critic_pg, shares["critic"],
+                                args=(args, critic_path(args), total_actor_steps), role="critic")
     roles["rewards"] = []
     for i, path in enumerate(reward_paths):
         pg = critic_pg if (args.colocate_critic_reward and critic_pg) else (

@@ -318,3 +318,19 @@ def test_packing_a_family_that_cannot_is_refused_before_anything_loads(script, t
                                         r"packed row: .* Leave out --packing_samples\.$"):
         check(args)
     assert not (tmp_path / "out").exists()
+
+
+def test_ppo_packing_checks_the_critic_where_it_starts_from_the_reward_model(tiny_model, tmp_path):
+    """With gae and no --critic_pretrain the critic starts from --reward_pretrain's model and trains packed: that
+    model's family was never checked, and an OPT reward model's packed samples would attend to each other."""
+    import ppo_ray
+    from common.args import UserError, parse_args
+
+    reward_model = tmp_path / "opt_rm"
+    reward_model.mkdir()
+    (reward_model / "config.json").write_text(json.dumps({"model_type": "opt",
+                                                          "architectures": ["OPTForSequenceClassification"]}))
+    argv = ["--pretrain", tiny_model, "--prompt_data", "unused.jsonl", "--reward_pretrain", str(reward_model),
+            "--packing_samples", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(UserError, match=r"--reward_pretrain \(where the critic starts\) .* is a 'opt' model"):
+        ppo_ray.check_args(parse_args(ppo_ray.Args, argv))
