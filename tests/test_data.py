@@ -60,6 +60,12 @@ def test_chatml_s_newline_after_the_end_of_turn_token_is_not_trained_on():
                 {"role": "user", "content": "Add 4 and 5."}, {"role": "assistant", "content": "9"}]
     (conversation,) = build(chatml, [{"messages": messages}], input_key="messages")
     assert masked_text(chatml, conversation) == "3<|im_end|>9<|im_end|>"
+    # a conversation that opens with the assistant's greeting: its span started at the text's first character, and
+    # the role header (with Qwen's template, the default system prompt too) was trained on
+    (greeting,) = build(chatml, [{"messages": [{"role": "assistant", "content": "Hi"}] + messages}],
+                        input_key="messages")
+    assert chatml.decode(greeting["input_ids"]).startswith("<|im_start|>assistant\nHi")
+    assert masked_text(chatml, greeting) == "Hi<|im_end|>3<|im_end|>9<|im_end|>"
 
 
 # Phi-3's shape: every turn ends with its end-of-turn token and a newline, and the conversation with the EOS, which
