@@ -201,6 +201,23 @@ def get_response(row: dict, key: str, index: int, source: str, input_key: str) -
                     f"{str(value)[:40]!r}{where}.")
 
 
+def check_responses_exclude_prompts(rows: list[dict], input_key: str, response_keys: tuple[str, ...], source: str):
+    """A DataError where most rows' responses begin with their own prompt: the dataset holds whole texts under the
+    response keys (as Anthropic's HH-RLHF does under chosen and rejected), and prompt + response would show the
+    prompt twice in every sample."""
+    def repeats(row) -> bool:
+        prompt = row.get(input_key)
+        return isinstance(prompt, str) and bool(prompt.strip()) and all(
+            isinstance(row.get(key), str) and row[key].lstrip().startswith(prompt.strip()) for key in response_keys)
+
+    repeated = sum(repeats(row) for row in rows)
+    if repeated * 2 > len(rows):
+        keys = " and ".join(repr(key) for key in response_keys)
+        raise DataError(f"{source}: in {repeated} of {len(rows)} rows, {keys} begin with the prompt under "
+                        f"{input_key!r}, which would be rendered twice (prompt, then prompt + response). Keep only "
+                        f"the response under {keys}, with the prompt cut off.")
+
+
 # --------------------------------------------------------------------------------------------------- rendering
 def as_messages(prompt) -> list[dict]:
     """A prompt given as text becomes one user message; a list of messages is taken as it is."""
@@ -400,6 +417,8 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
         raise DataError(f"--pretrain_mode trains on the text under {input_key!r} as it is, which "
                         f"{'--apply_chat_template' if apply_chat_template else '--input_template'} would not change; "
                         f"leave that flag out, or leave out --pretrain_mode to train on prompt/response pairs.")
+    if not pretrain_mode:
+        check_responses_exclude_prompts(rows, input_key, (output_key,), source)
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         with sample_context(source, i):
@@ -611,6 +630,7 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
     if 0 < without_margin < len(rows):
         log(f"warning: {source}: {without_margin} of {len(rows)} pairs have no {margin_key!r} (--margin_key); their "
             f"margin is 0.")
+    check_responses_exclude_prompts(rows, input_key, (chosen_key, rejected_key), source)
     samples, truncated, identical, dropped = [], 0, 0, 0
     for i, row in enumerate(rows):
         prompt = get_key(row, input_key, i, source)
@@ -655,6 +675,7 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
     """
     if not rows:
         raise DataError(f"dataset {source} is empty.")
+    check_responses_exclude_prompts(rows, input_key, (output_key,), source)
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         prompt, response = get_key(row, input_key, i, source), get_response(row, output_key, i, source, input_key)

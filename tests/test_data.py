@@ -234,6 +234,24 @@ def test_responses_must_be_texts_in_every_builder(tokenizer):
             data.build_sft_samples(rows, tokenizer, "s.jsonl", "prompt", "response", 64)
 
 
+def test_responses_that_hold_their_prompt_too_are_refused_in_every_builder(tokenizer):
+    """HH-RLHF's chosen and rejected are whole conversations: beside a prompt key, every sample showed the prompt
+    twice, and DPO or the reward model learned from texts no policy writes."""
+    human = "\n\nHuman: What is 2+3?\n\nAssistant:"
+    pairs = [{"prompt": human, "chosen": human + " 5", "rejected": human + " 6"}] * 3
+    with pytest.raises(data.DataError, match=r"p.jsonl: in 3 of 3 rows, 'chosen' and 'rejected' begin with the "
+                                             r"prompt under 'prompt', which would be rendered twice"):
+        data.build_preference_samples(pairs, tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64)
+    with pytest.raises(data.DataError, match=r"in 3 of 3 rows, 'response' begin with the prompt"):
+        build(tokenizer, [{"prompt": human, "response": human + " 5"}] * 3)
+    with pytest.raises(data.DataError, match=r"in 3 of 3 rows, 'completion' begin with the prompt"):
+        data.build_kto_samples([{"prompt": human, "completion": human + " 5", "label": True}] * 3, tokenizer,
+                               "k.jsonl", "prompt", "completion", "label", 64)
+    # one response in three that happens to repeat its prompt is taken as written
+    rows = [{"prompt": "Say hi.", "response": "Say hi. Hi!"}] + [{"prompt": "Add 1 and 2.", "response": "3"}] * 2
+    assert len(build(tokenizer, rows)) == 3
+
+
 def test_margins_are_read_from_their_key_and_a_mistyped_key_is_refused(tokenizer):
     """A --margin_key no pair holds gave every pair a margin of 0 without a word, as if the data had none."""
     rows = [{"prompt": "What is 2+3?", "chosen": "5", "rejected": "6", "score_diff": 4.0},
