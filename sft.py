@@ -121,13 +121,15 @@ class Args:
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
-def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood of the masked tokens.
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, tokens: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Mean negative log-likelihood of the masked tokens: their sum over `tokens`, the trained tokens of the whole
+    batch this micro-batch belongs to (default: its own), so that every token of an optimizer step weighs the same
+    whichever micro-batch and rank it falls in.
 
     logprobs (batch, seq - 1) are next-token log-probs (entry t predicts token t + 1), loss_mask (batch, seq).
     """
     mask = loss_mask[:, 1:].to(logprobs.dtype)
-    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
+    return -(logprobs * mask).sum() / (mask.sum() if tokens is None else torch.as_tensor(tokens)).clamp(min=1)
 
 
 def forward_logprobs(model, batch: dict) -> torch.Tensor:
@@ -223,9 +225,15 @@ def main(args: Args):
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch)[step % steps_per_epoch]
         start, stats = time.time(), torch.zeros(3, device=device())  # (loss sum, micro-batches, real tokens)
+        # DeepSpeed averages the micro-batches' losses over the step's micro-batches and ranks: each loss is its
+        # share of the step's token mean, times what that average divides by
+        tokens = torch.tensor(float(sum(sum(train_samples[i]["loss_mask"][1:]) for indices in step_batches
+                                        for i in indices)), device=device())
+        dist.all_reduce(tokens)
+        scale = len(step_batches) * world_size
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
-            loss = sft_loss(forward_logprobs(engine, batch), batch["loss_mask"])
+            loss = sft_loss(forward_logprobs(engine, batch), batch["loss_mask"], tokens) * scale
             engine.backward(loss)
             engine.step()
             real_tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()

@@ -141,3 +141,21 @@ def test_bad_input_gives_one_clear_sentence_and_writes_nothing(tiny_model, task,
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert errors == ["error: --train_batch_size 10 must be a multiple of --micro_train_batch_size 4 x 1 ranks = 4."]
     assert not os.path.exists(out)
+
+
+@pytest.mark.slow
+def test_a_step_trains_the_same_whatever_its_micro_batches_and_ranks(tiny_model, task, tmp_path):
+    """The loss was each micro-batch's token mean, averaged: a short response weighed as much as a long one when the
+    two fell in different micro-batches, so --micro_train_batch_size and the number of ranks changed the objective.
+    One batch of 8 as 1 micro-batch, as 4 of 2, and as 2 ranks x 2 of 2: the same losses, before and after a step."""
+    losses = {}
+    for name, micro, ranks in (("whole", 8, 1), ("split", 2, 1), ("ranks", 2, 2)):
+        out = str(tmp_path / name)
+        run_script("sft.py", sft_args(tiny_model, task, out, "--zero_stage", "0" if ranks == 1 else "3",
+                                      "--max_steps", "3", "--train_batch_size", "8", "--micro_train_batch_size",
+                                      str(micro), "--learning_rate", "1e-2", "--logging_steps", "1"), nprocs=ranks)
+        losses[name] = logged_losses(out)
+    assert sorted(losses["whole"]) == [1, 2, 3] and losses["whole"][3] < losses["whole"][1] - 0.1, losses  # it moved
+    for name in ("split", "ranks"):
+        for step, loss in losses["whole"].items():
+            assert losses[name][step] == pytest.approx(loss, rel=2e-3), (name, losses)
