@@ -717,6 +717,15 @@ def reward_model_input_ids(tokenizer, prompt, response: str, max_len: int, apply
     return sample["input_ids"]
 
 
+def generation_stop_ids(tokenizer, apply_chat_template: bool) -> list[int]:
+    """What vLLM must stop at besides the EOS and the model's generation_config: with a chat template, its
+    end-of-turn token where that is another token. A base model's EOS and generation_config name <|endoftext|>
+    (Qwen2.5) or <|end_of_text|> (Llama-3) while its template ends a turn with <|im_end|> or <|eot_id|>: a policy
+    fine-tuned on the template writes that token, and without this stop ran on past it into a made-up next turn."""
+    end = end_of_turn_token(tokenizer) if apply_chat_template else None
+    return [tokenizer.convert_tokens_to_ids(end)] if end and end != tokenizer.eos_token else []
+
+
 def decode_response(tokenizer, prompt_ids: list[int], response_ids: list[int], skip_special_tokens: bool = True) -> str:
     """The text of a sampled response as it reads after its prompt.
 
@@ -724,8 +733,13 @@ def decode_response(tokenizer, prompt_ids: list[int], response_ids: list[int], s
     leading space of a sequence's first token ("▁The"), so the text a reward read, or that rejection sampling handed
     SFT, was "Answer:The" where the policy wrote "Answer: The". Decoding after the prompt and cutting the prompt's
     text off keeps it; where the prompt's text is not a prefix of the whole (a character split between the two), the
-    response is decoded alone.
+    response is decoded alone. With skip_special_tokens, the token the sample stopped at (the EOS, or the chat
+    template's end-of-turn token) is left out even where the tokenizer adds it without marking it special: a text
+    ending "<|im_end|>" would be written twice by the template that SFT renders it with.
     """
+    if skip_special_tokens and response_ids and response_ids[-1] in generation_stop_ids(tokenizer, True) + [
+            tokenizer.eos_token_id]:
+        response_ids = list(response_ids)[:-1]
     prefix = tokenizer.decode(prompt_ids, skip_special_tokens=skip_special_tokens)
     whole = tokenizer.decode(list(prompt_ids) + list(response_ids), skip_special_tokens=skip_special_tokens)
     if whole.startswith(prefix):

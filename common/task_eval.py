@@ -9,24 +9,32 @@ import argparse
 import json
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from common.data import load_records, render_prompt
+from common.data import generation_stop_ids, load_records, render_prompt
 from common.synthetic_task import extract_answer, reward_fn
 
 
 @torch.no_grad()
 def greedy_responses(model_dir: str, prompts: list, apply_chat_template: bool = True, max_new_tokens: int = 8,
                      batch_size: int = 64) -> list[str]:
-    """Greedy completions of `prompts` (left-padded batches), decoded without special tokens."""
+    """Greedy completions of `prompts` (left-padded batches), decoded without special tokens.
+
+    Plain greedy decoding, whatever the model's generation_config asks for besides (a repetition penalty, as
+    Qwen2.5-Instruct's, would change the answers), stopping where vLLM's engines stop: at the model's EOS tokens
+    and the chat template's end-of-turn token."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    stops = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+             *generation_stop_ids(tokenizer, apply_chat_template)]
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=list(dict.fromkeys(stops)))
     texts = [render_prompt(tokenizer, p, apply_chat_template, None) for p in prompts]
     responses = []
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(texts[i: i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(**enc, generation_config=greedy)
         responses += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return responses
 
@@ -38,7 +46,8 @@ def vllm_greedy_responses(model_dir: str, prompts: list, max_new_tokens: int = 8
     llm = LLM(model=model_dir, dtype="float32", seed=0, max_model_len=256, enforce_eager=True)
     tokenizer = llm.get_tokenizer()
     texts = [render_prompt(tokenizer, p, True, None) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, skip_special_tokens=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, skip_special_tokens=True,
+                            stop_token_ids=generation_stop_ids(tokenizer, True))
     outputs = llm.generate([{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts],
                            params, use_tqdm=False)
     return [o.outputs[0].text for o in outputs]

@@ -61,7 +61,8 @@ class VLLMEngine:
 
     def __init__(self, pretrain_path: str, seed: int, max_model_len: int, tensor_parallel_size: int,
                  gpu_memory_utilization: float, enforce_eager: bool, dtype: str | None, enable_sleep_mode: bool,
-                 use_gpu: bool, bundle_indices: list[int] | None, llm_kwargs: dict):
+                 use_gpu: bool, bundle_indices: list[int] | None, llm_kwargs: dict,
+                 stop_token_ids: list[int] | None = None):
         # The engine core runs in this process: a vLLM subprocess would escape Ray's resource accounting.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if bundle_indices is not None:  # tensor parallel: vLLM places its Ray workers on these bundles
@@ -76,6 +77,7 @@ class VLLMEngine:
         self.enable_sleep_mode = enable_sleep_mode
         self.memory_log: list[tuple] = []
         self._tensor_parallel_size = tensor_parallel_size
+        self.stop_token_ids = list(stop_token_ids or [])  # besides the EOS and generation_config's, in every sample
         self.llm = vllm.LLM(
             model=pretrain_path,
             seed=seed,
@@ -123,7 +125,8 @@ class VLLMEngine:
         Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str}, where
         logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
         before temperature and top_p). `max_tokens` may be one limit per prompt. Extra keyword arguments go to
-        `vllm.SamplingParams` (top_k, stop_token_ids, ...).
+        `vllm.SamplingParams` (top_k, stop_token_ids, ...). A sample also ends at the engine's `stop_token_ids`
+        (create_vllm_engines), which it keeps as its last token, as it keeps the EOS.
 
         vLLM does not detokenize the samples (unless asked to, or given stop strings, which need it): only token ids
         come back, and its incremental detokenization took 8% of a 256 x 64-token generation on CPU (3.5 s against
@@ -132,6 +135,8 @@ class VLLMEngine:
         import vllm
 
         sampling_kwargs.setdefault("detokenize", bool(sampling_kwargs.get("stop")))
+        if self.stop_token_ids:
+            sampling_kwargs.setdefault("stop_token_ids", self.stop_token_ids)
 
         def params_for(limit: int):
             return vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit,
@@ -274,7 +279,8 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
                         max_model_len: int, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                         placement_group=None, dtype: str | None = None, enable_sleep_mode: bool = False,
                         num_cpus_per_engine: int = 1, cpu_threads_per_engine: int | None = None,
-                        wait_until_ready: bool = True, **llm_kwargs) -> list:
+                        wait_until_ready: bool = True, stop_token_ids: list[int] | None = None,
+                        **llm_kwargs) -> list:
     """Start `num_engines` engines (engine i seeded with seed + i) and return their Ray actor handles, all ready.
 
     With `wait_until_ready` False it returns once their bundles are reserved, while the engines still start, so
@@ -285,6 +291,7 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     asks for COLOCATED_GPU_SHARE of its GPU (use enable_sleep_mode to hand memory back during training).
     Without one, the engines get a placement group of their own. `dtype` None generates in the precision the
     trainers compute in (trainer_dtype), so that the log-probs vLLM samples with are the ones the update recomputes.
+    `stop_token_ids`: tokens every sample ends at besides the model's EOS (data.generation_stop_ids).
 
     On CPU, `gpu_memory_utilization` is ignored: VLLM_CPU_KVCACHE_SPACE (GiB, default 1) sizes the KV cache, and
     each engine computes with `cpu_threads_per_engine` threads, by default OMP_NUM_THREADS if set, else this
@@ -338,7 +345,8 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
         )
         engines.append(actor.remote(
             pretrain_path, seed + i, max_model_len, tensor_parallel_size, gpu_memory_utilization, enforce_eager,
-            dtype, enable_sleep_mode, use_gpu, tp_bundles if tensor_parallel_size > 1 else None, llm_kwargs))
+            dtype, enable_sleep_mode, use_gpu, tp_bundles if tensor_parallel_size > 1 else None, llm_kwargs,
+            stop_token_ids))
     if wait_until_ready:
         wait_for_engines(engines)
     return engines
