@@ -280,13 +280,15 @@ def _has_flash_attn() -> bool:
 
 
 def cosine_schedule(optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.1):
-    """Linear warmup, then cosine decay from the peak LR down to min_lr_ratio x peak at the last step."""
+    """Linear warmup up to the peak LR at the warmup's last step (at step 0 without warmup), then cosine decay down
+    to min_lr_ratio x peak at the last step, `total_steps` - 1: the peak is taken once, and the floor reached."""
     warmup = max(1, math.ceil(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+    peak = max(warmup - 1, 0)
 
     def factor(step):
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        progress = min(1.0, (step - peak) / max(1, total_steps - 1 - peak))
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -126,3 +126,23 @@ def test_a_zero0_update_averages_over_the_ranks_and_skips_the_reduction_on_one(t
     assert max((saved["plain"][k] - start[k]).abs().max().item() for k in start) > 1e-3  # the steps moved it
     for name, tensor in saved["plain"].items():
         torch.testing.assert_close(saved["engine"][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("total,ratio,expected", [
+    (3, 0.03, [1.0, 0.55, 0.1]),  # a 1-step warmup: the peak at step 0, the floor at the last step
+    (5, 0.4, [0.5, 1.0, 0.775, 0.325, 0.1]),
+    (4, 0.0, [1.0, 0.775, 0.325, 0.1]),
+])
+def test_the_schedule_takes_the_peak_once_and_ends_at_the_floor(total, ratio, expected):
+    """The decay ran to (total - 1 - warmup) / (total - warmup) of the way, so no run reached min_lr_ratio (3 steps:
+    0.55 where 0.1 was asked for), and the step after the warmup repeated the peak."""
+    from common.deepspeed_utils import cosine_schedule
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = cosine_schedule(optimizer, total, ratio, 0.1)
+    rates = []
+    for _ in range(total):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates == pytest.approx(expected)
