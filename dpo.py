@@ -296,6 +296,10 @@ def main(args: Args):
         names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "chosen_logps", "rejected_logps", "pairs",
                  "ref_seconds")  # sums over this step's pairs
         start, stats = time.time(), torch.zeros(len(names), device=device())
+        # --nll_loss_coef: the chosen responses' token mean over the whole step, whatever its micro-batches and ranks
+        chosen_tokens = torch.tensor(float(sum(sum(train_samples[i]["chosen"]["loss_mask"][1:])
+                                               for indices in step_batches for i in indices)), device=device())
+        dist.all_reduce(chosen_tokens)
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
             ref_start = time.time()
@@ -307,9 +311,9 @@ def main(args: Args):
                                                                 ref_rejected_logps, args.beta, args.label_smoothing,
                                                                 args.ipo)
             loss = losses.mean()
-            if args.nll_loss_coef:
-                chosen_tokens = sequence_sums(batch["loss_mask"][:, 1:], batch.get("position_ids"))[: len(indices)]
-                loss = loss + args.nll_loss_coef * -chosen_logps.sum() / chosen_tokens.sum()
+            if args.nll_loss_coef:  # (DeepSpeed averages the micro-batches and ranks: their shares, scaled back)
+                nll = -chosen_logps.sum() / chosen_tokens.clamp(min=1) * len(step_batches) * world_size
+                loss = loss + args.nll_loss_coef * nll
             engine.backward(loss)
             engine.step()
             stats += torch.tensor([losses.sum().item(), chosen_rewards.sum().item(), rejected_rewards.sum().item(),
@@ -325,6 +329,8 @@ def main(args: Args):
                    "logps/chosen": total["chosen_logps"] / pairs, "logps/rejected": total["rejected_logps"] / pairs,
                    "train/lr": lr, "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds,
                    "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
+        if args.nll_loss_coef:  # the term added to train/loss, per chosen token
+            metrics["train/nll_loss"] = -total["chosen_logps"] / max(chosen_tokens.item(), 1)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:

@@ -254,6 +254,8 @@ def test_dpo_raises_implicit_reward_accuracy_and_task_accuracy(sft_model, sft_sc
                                    *RUN_ARGS, "--max_steps", "60", "--learning_rate", "1e-4", "--beta", "0.1",
                                    "--nll_loss_coef", "1", "--output_dir", out], nprocs=2)
     assert f"skipped 8 of {len(rows) + 8} pairs whose 'chosen' and 'rejected' are identical" in result.stdout
+    nll = [m["train/nll_loss"] for m in metrics(out) if "train/nll_loss" in m]
+    assert nll and 0 < nll[-1] < nll[0], nll  # the NLL term is logged, and it falls: the chosen answers grow likely
     expect_dpo_learned("dpo", out, sft_scores, task)
 
 
