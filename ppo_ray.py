@@ -382,11 +382,12 @@ def truncated_is_weights(old_logprobs, vllm_logprobs, mask, cap):
     return torch.where(mask.bool(), ratio.clamp(max=cap), 0.0), tricks.masked_mean((ratio > cap).float(), mask)
 
 
-def value_loss(values, old_values, returns, mask, value_clip):
-    """PPO's clipped value loss: the worse of the unclipped and the clipped squared error; all (batch, seq)."""
+def value_loss(values, old_values, returns, mask, value_clip, count=None):
+    """PPO's clipped value loss: the worse of the unclipped and the clipped squared error; all (batch, seq). Its mean
+    over the tokens, or with `count` a micro-batch's share of its train batch's mean (tricks.aggregate)."""
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
-    return tricks.masked_mean(loss, mask)
+    return tricks.aggregate(loss, mask, "token-mean", count=count)
 
 
 def compute_advantages(args, scores, kl, values, mask, kl_coef):
@@ -843,10 +844,16 @@ class CriticWorker(ScalarHeadWorker):
         self.use_cpu_threads("train")
         self.engine.train()
         lr = self.engine.get_lr()[0]  # the rate of this fit's first update
+        accumulation = self.engine.gradient_accumulation_steps()
+        scale = accumulation * self.world_size  # as in the actor's fit: each micro-batch's share of its train batch
         for epoch in range(args.max_epochs):
-            for mb in split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch):
+            micro_batches = split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch)
+            for index, mb in enumerate(micro_batches):
+                if index % accumulation == 0:
+                    count = train_batch_count(micro_batches[index:index + accumulation], "token-mean")
                 values = self._values(mb)
-                loss = value_loss(values, mb["values"], mb["returns"], mb["action_mask"], args.value_clip)
+                loss = value_loss(values, mb["values"], mb["returns"], mb["action_mask"], args.value_clip,
+                                  count) * scale
                 self.engine.backward(loss)
                 self.engine.step()
                 stats.append(loss.item())

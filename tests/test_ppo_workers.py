@@ -154,6 +154,26 @@ def test_an_optimizer_steps_gradient_does_not_depend_on_how_its_batch_is_cut_int
             torch.testing.assert_close(gradients[micro][name], grad, rtol=1e-4, atol=1e-7, msg=f"{agg} {micro} {name}")
 
 
+def test_a_critic_steps_gradient_does_not_depend_on_how_its_batch_is_cut_into_micro_batches(tiny_model):
+    """The value loss too is the mean over the train batch's tokens: a micro-batch of one short response no longer
+    weighs as much as one of a long response, nor an emptied one (--overlong_filter) as a loss of 0."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    experience = experience_batch(tokenizer, [2, 6, 3, 9])
+    experience["action_mask"][1] = 0
+    experience["returns"] = torch.tensor([1.0, -2.0, -0.5, 0.7])[:, None] * experience["action_mask"]
+    gradients = {}
+    for micro in (4, 2, 1):
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32)
+        engine = FakeEngine(model, 4 // micro)
+        args = ppo_ray.Args(micro_train_batch_size=micro, max_epochs=1, normalize_reward=False)
+        worker(ppo_ray.CriticWorker, args, engine, tokenizer).fit({k: v.clone() for k, v in experience.items()})
+        (gradients[micro],) = engine.gradients
+    for micro in (2, 1):
+        for name, grad in gradients[4].items():
+            torch.testing.assert_close(gradients[micro][name], grad, rtol=1e-4, atol=1e-7, msg=f"{micro} {name}")
+
+
 LENGTHS, ADVANTAGES = [2, 6, 3, 9], [1.0, -2.0, -0.5, 0.7]  # the second response: taken out by --overlong_filter
 
 
