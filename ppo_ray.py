@@ -71,9 +71,8 @@ from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_
                          check_output_dir, check_packing, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
                                save_train_state, write_atomically, zero_layout)
-from common.data import (DataError, build_sft_samples, decode_response, generation_stop_ids, get_key, get_labels,
-                         load_records, pad_collate, render_prompt, reward_model_input_ids, sample_context,
-                         stream_indices)
+from common.data import (DataError, build_sft_samples, decode_response, get_key, get_labels, load_records, pad_collate,
+                         render_prompt, reward_model_input_ids, sample_context, stream_indices)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer, mpi_launch, trained_zero_stage)
 from common.logging_utils import MetricsLogger, progress, timed
@@ -1024,8 +1023,7 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
         enforce_eager=not use_gpus(), dtype=None if args.vllm_dtype == "trainer" else args.vllm_dtype,
-        logprobs_mode="processed_logprobs", wait_until_ready=False,
-        stop_token_ids=generation_stop_ids(load_tokenizer(args.pretrain), args.apply_chat_template))
+        logprobs_mode="processed_logprobs", wait_until_ready=False, stop_at_end_of_turn=args.apply_chat_template)
     warm_up = [engine.warm_up.remote() for engine in engines]  # each runs once its engine has started
     engine_sleep = SleepSchedule(engines, enabled=args.colocate_all)  # a recorded no-op where vLLM cannot sleep
     if args.colocate_all:  # asleep before the models load into the memory the engines give back

@@ -288,8 +288,7 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
         engines = create_vllm_engines(args.vllm_num_engines, args.vllm_tensor_parallel_size, policy, seed,
                                       args.max_model_len, args.vllm_gpu_memory_utilization, args.enforce_eager,
                                       dtype=None if args.vllm_dtype == "trainer" else args.vllm_dtype,
-                                      stop_token_ids=data.generation_stop_ids(load_tokenizer(policy),
-                                                                              args.apply_chat_template))
+                                      stop_at_end_of_turn=args.apply_chat_template)
         start = time.time()
         chunks = [prompt_ids[i: i + args.generate_batch_size] for i in range(0, len(prompt_ids),
                                                                               args.generate_batch_size)]

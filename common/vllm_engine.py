@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError, check_model_path
 from common.cpu_memory import keep_freed_memory
+from common.data import generation_stop_ids
 from common.ray_workers import check_alive, wait
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class VLLMEngine:
     def __init__(self, pretrain_path: str, seed: int, max_model_len: int, tensor_parallel_size: int,
                  gpu_memory_utilization: float, enforce_eager: bool, dtype: str | None, enable_sleep_mode: bool,
                  use_gpu: bool, bundle_indices: list[int] | None, llm_kwargs: dict,
-                 stop_token_ids: list[int] | None = None):
+                 stop_at_end_of_turn: bool = False):
         # The engine core runs in this process: a vLLM subprocess would escape Ray's resource accounting.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if bundle_indices is not None:  # tensor parallel: vLLM places its Ray workers on these bundles
@@ -77,7 +78,6 @@ class VLLMEngine:
         self.enable_sleep_mode = enable_sleep_mode
         self.memory_log: list[tuple] = []
         self._tensor_parallel_size = tensor_parallel_size
-        self.stop_token_ids = list(stop_token_ids or [])  # besides the EOS and generation_config's, in every sample
         self.llm = vllm.LLM(
             model=pretrain_path,
             seed=seed,
@@ -91,6 +91,8 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             **llm_kwargs,
         )
+        # every sample stops there too, besides the EOS and generation_config's tokens (data.generation_stop_ids)
+        self.stop_token_ids = generation_stop_ids(self.llm.get_tokenizer(), True) if stop_at_end_of_turn else []
 
     def ready(self) -> bool:
         """True once the engine has loaded its model; `ray.get` on it re-raises any error from start-up."""
@@ -125,8 +127,8 @@ class VLLMEngine:
         Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str}, where
         logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
         before temperature and top_p). `max_tokens` may be one limit per prompt. Extra keyword arguments go to
-        `vllm.SamplingParams` (top_k, stop_token_ids, ...). A sample also ends at the engine's `stop_token_ids`
-        (create_vllm_engines), which it keeps as its last token, as it keeps the EOS.
+        `vllm.SamplingParams` (top_k, stop_token_ids, ...). With create_vllm_engines' `stop_at_end_of_turn` a
+        sample also ends at the chat template's end-of-turn token, which it keeps as its last token, as the EOS.
 
         vLLM does not detokenize the samples (unless asked to, or given stop strings, which need it): only token ids
         come back, and its incremental detokenization took 8% of a 256 x 64-token generation on CPU (3.5 s against
@@ -279,7 +281,7 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
                         max_model_len: int, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                         placement_group=None, dtype: str | None = None, enable_sleep_mode: bool = False,
                         num_cpus_per_engine: int = 1, cpu_threads_per_engine: int | None = None,
-                        wait_until_ready: bool = True, stop_token_ids: list[int] | None = None,
+                        wait_until_ready: bool = True, stop_at_end_of_turn: bool = False,
                         **llm_kwargs) -> list:
     """Start `num_engines` engines (engine i seeded with seed + i) and return their Ray actor handles, all ready.
 
@@ -291,7 +293,8 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     asks for COLOCATED_GPU_SHARE of its GPU (use enable_sleep_mode to hand memory back during training).
     Without one, the engines get a placement group of their own. `dtype` None generates in the precision the
     trainers compute in (trainer_dtype), so that the log-probs vLLM samples with are the ones the update recomputes.
-    `stop_token_ids`: tokens every sample ends at besides the model's EOS (data.generation_stop_ids).
+    `stop_at_end_of_turn`: every sample also ends at the chat template's end-of-turn token where that is neither
+    the EOS nor in the model's generation_config (data.generation_stop_ids); for prompts rendered with the template.
 
     On CPU, `gpu_memory_utilization` is ignored: VLLM_CPU_KVCACHE_SPACE (GiB, default 1) sizes the KV cache, and
     each engine computes with `cpu_threads_per_engine` threads, by default OMP_NUM_THREADS if set, else this
@@ -346,7 +349,7 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
         engines.append(actor.remote(
             pretrain_path, seed + i, max_model_len, tensor_parallel_size, gpu_memory_utilization, enforce_eager,
             dtype, enable_sleep_mode, use_gpu, tp_bundles if tensor_parallel_size > 1 else None, llm_kwargs,
-            stop_token_ids))
+            stop_at_end_of_turn))
     if wait_until_ready:
         wait_for_engines(engines)
     return engines

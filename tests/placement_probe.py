@@ -66,7 +66,7 @@ class ProbeEngine:
     VLLM_RAY_BUNDLE_INDICES, num_gpus=VLLM_RAY_PER_WORKER_GPUS, CUDA_VISIBLE_DEVICES left unset by Ray."""
 
     def __init__(self, pretrain_path, seed, max_model_len, tensor_parallel_size, gpu_memory_utilization,
-                 enforce_eager, dtype, enable_sleep_mode, use_gpu, bundle_indices, llm_kwargs):
+                 enforce_eager, dtype, enable_sleep_mode, use_gpu, bundle_indices, llm_kwargs, stop_at_end_of_turn):
         self.tp, self.bundle_indices, self.use_gpu = tensor_parallel_size, bundle_indices, use_gpu
         self.enable_sleep_mode = enable_sleep_mode
         self.slept_at = []

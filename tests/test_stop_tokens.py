@@ -31,7 +31,8 @@ def test_the_engines_stop_at_the_templates_end_of_turn_token_where_it_is_not_the
 
 @pytest.mark.slow
 def test_a_vllm_engine_ends_a_sample_at_its_stop_tokens_and_keeps_the_token(tmp_path):
-    """The engine (as create_vllm_engines makes it, in this process) is pushed towards <|im_end|> by a logit bias."""
+    """The engine (as create_vllm_engines makes it with stop_at_end_of_turn, in this process), pushed towards
+    <|im_end|> by a logit bias."""
     from common.vllm_engine import VLLMEngine
 
     tokenizer = chatml_base_tokenizer()
@@ -40,8 +41,8 @@ def test_a_vllm_engine_ends_a_sample_at_its_stop_tokens_and_keeps_the_token(tmp_
     tokenizer.save_pretrained(tmp_path)
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompt = tokenizer(data.render_prompt(tokenizer, "What is 3+4?", True, None), add_special_tokens=False)
-    engine = VLLMEngine(str(tmp_path), 0, 64, 1, 0.5, True, None, False, False, None, {},
-                        data.generation_stop_ids(tokenizer, True))
+    engine = VLLMEngine(str(tmp_path), 0, 64, 1, 0.5, True, None, False, False, None, {}, True)
+    assert engine.stop_token_ids == [end_id]
     try:
         [samples] = engine.generate([prompt["input_ids"]], n=2, max_tokens=6, logprobs=False,
                                     logit_bias={end_id: 100.0})
