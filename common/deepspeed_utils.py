@@ -20,7 +20,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from common.args import UserError, check_causal_lm, check_model_path
 from common.cpu_memory import keep_freed_memory
 from common.lora import dequantized
-from common.net import free_port
+from common.net import free_port, release_port
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
 # cost more than it saves. Kept low so that even the tiny test model is really partitioned.
@@ -95,6 +95,7 @@ def init_distributed() -> tuple[int, int, int]:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(free_port("127.0.0.1")))
     wait_for_op_builds()  # the CPU backend's shared-memory op is built on first use
+    release_port(int(os.environ.get("MASTER_PORT", 0)))  # reserved by this rank 0's RayWorker.address, if so
     deepspeed.init_distributed()  # (under MPI, it sets RANK, WORLD_SIZE and LOCAL_RANK; on CUDA it binds the group
     local_rank = int(os.environ["LOCAL_RANK"])  # to device LOCAL_RANK)
     if torch.cuda.is_available():  # a visible device's index, also under Ray (ray_workers.join_world); DeepSpeed's

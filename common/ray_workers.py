@@ -26,7 +26,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError
-from common.net import free_port
+from common.net import reserve_port
 
 if TYPE_CHECKING:  # torch is imported where it is used: tests start twenty probe workers that never need it
     import torch
@@ -47,7 +47,8 @@ class RayWorker:
     cpu_threads: dict[str, int] = {}  # phase -> torch threads, set by share_cores on a machine without GPUs
 
     def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+        """Where this rank 0's world meets: the port stays reserved until init_distributed binds it."""
+        return ray.util.get_node_ip_address(), reserve_port()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
