@@ -290,7 +290,8 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages)
+        before = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages,
+                                                                                                  text)
         through = without_closing_eos(tokenizer, chat_text(tokenizer, messages[: i + 1]), text)
         if not (text.startswith(before) and text.startswith(through)):
             raise DataError(
@@ -304,16 +305,18 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     return text, spans
 
 
-def _opening(tokenizer, messages: list[dict]) -> str:
+def _opening(tokenizer, messages: list[dict], text: str) -> str:
     """What the template writes before a conversation's first message when that is the assistant's: a BOS, a default
     system prompt, the role's header. Found where a sentinel in place of the message's content lands; the span of a
-    leading assistant turn starts after it, not at the conversation's first character."""
+    leading assistant turn starts after it, not at the conversation's first character. "" where that is no prefix of
+    the conversation's `text` (a template that changes what comes before with the content)."""
     first = {**messages[0], "content": SENTINEL}
     try:
         marked = chat_text(tokenizer, [first] + messages[1:])
     except DataError:
         return ""
-    return marked[: marked.find(SENTINEL)] if SENTINEL in marked else ""
+    opening = marked[: marked.find(SENTINEL)] if SENTINEL in marked else ""
+    return opening if text.startswith(opening) else ""
 
 
 def closing_tail_at(tokenizer, messages: list[dict], rendered: str) -> int:
