@@ -367,7 +367,8 @@ def main(args: Args):
     if eval_samples:
         summary.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
         logger.log(total_steps, summary)
-    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank)
+    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank,
+                             stop_ids=data.generation_stop_ids(tokenizer, args.apply_chat_template))
     logger.close()
     print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "
                       + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))

@@ -71,8 +71,9 @@ from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_
                          check_output_dir, check_packing, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
                                save_train_state, write_atomically, zero_layout)
-from common.data import (DataError, build_sft_samples, decode_response, get_key, get_labels, load_records, pad_collate,
-                         render_prompt, reward_model_input_ids, sample_context, stream_indices)
+from common.data import (DataError, build_sft_samples, decode_response, generation_stop_ids, get_key, get_labels,
+                         load_records, pad_collate, render_prompt, reward_model_input_ids, sample_context,
+                         stream_indices)
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
                                     load_model, load_tokenizer, mpi_launch, trained_zero_stage)
 from common.logging_utils import MetricsLogger, progress, timed
@@ -780,7 +781,8 @@ class ActorWorker(ReferenceWorker):
         return {}
 
     def save_model(self, out_dir: str) -> None:
-        save_hf_model(self.engine, self.tokenizer, out_dir, self.rank)
+        save_hf_model(self.engine, self.tokenizer, out_dir, self.rank,
+                      stop_ids=generation_stop_ids(self.tokenizer, self.args.apply_chat_template))
 
 
 class ScalarHeadWorker(ModelWorker):

@@ -71,10 +71,14 @@ def publish_model_files(tmp: str, out_dir: str) -> None:
     os.rmdir(tmp)
 
 
-def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict | None = None) -> None:
+def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict | None = None,
+                  stop_ids: list[int] | None = None) -> None:
     """Save a model (gathered from ZeRO-3 shards) and its tokenizer into out_dir as a Hugging Face folder.
 
     Collective: every rank must call it. `extra_config` entries are stored in config.json (e.g. reward mean/std).
+    `stop_ids` join generation_config's eos_token_id: the chat template's end-of-turn token a model was trained to
+    end its turns with, where it is another token than the EOS (data.generation_stop_ids), so that transformers'
+    generate and vLLM stop there too.
     A model with LoRA adapters is saved merged, as a plain model of its base class, and its adapter on its own in
     out_dir/adapter (loads with peft's PeftModel.from_pretrained on the starting model).
     """
@@ -90,6 +94,11 @@ def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict 
             for key, value in (extra_config or {}).items():
                 setattr(model.config, key, value)
             model.config.use_cache = True  # restored for inference (training turns it off)
+            generation = getattr(model, "generation_config", None)
+            if stop_ids and generation is not None:
+                eos = generation.eos_token_id
+                eos = eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos]
+                generation.eos_token_id = list(dict.fromkeys(eos + list(stop_ids)))
             if lora.is_lora(model):
                 model.save_pretrained(os.path.join(tmp, "adapter"), state_dict=lora.adapter_state_dict(state))
                 model, state = lora.base_model(model), lora.merged_state_dict(state, model)

@@ -29,6 +29,21 @@ def test_the_engines_stop_at_the_templates_end_of_turn_token_where_it_is_not_the
     assert data.decode_response(base, prompt, seven + [end_id]) == "7"
 
 
+def test_a_saved_model_stops_at_the_end_of_turn_token_it_was_trained_to_end_its_turns_with(tmp_path):
+    """A base model fine-tuned on ChatML: its saved generation_config named only <|endoftext|>, so transformers'
+    generate and a vLLM server outside this library ran past <|im_end|>."""
+    from transformers import GenerationConfig
+
+    from common.checkpoint import save_hf_model
+
+    tokenizer = chatml_base_tokenizer()
+    model = build_model(tokenizer)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    save_hf_model(model, tokenizer, str(tmp_path), rank=0, stop_ids=data.generation_stop_ids(tokenizer, True))
+    saved = GenerationConfig.from_pretrained(tmp_path).eos_token_id
+    assert saved == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
 @pytest.mark.slow
 def test_a_vllm_engine_ends_a_sample_at_its_stop_tokens_and_keeps_the_token(tmp_path):
     """The engine (as create_vllm_engines makes it with stop_at_end_of_turn, in this process), pushed towards
