@@ -96,8 +96,9 @@ def init_distributed() -> tuple[int, int, int]:
                               MASTER_PORT=str(free_port("127.0.0.1")))
     wait_for_op_builds()  # the CPU backend's shared-memory op is built on first use
     release_port(int(os.environ.get("MASTER_PORT", 0)))  # reserved by this rank 0's RayWorker.address, if so
-    deepspeed.init_distributed()  # (under MPI, it sets RANK, WORLD_SIZE and LOCAL_RANK; on CUDA it binds the group
-    local_rank = int(os.environ["LOCAL_RANK"])  # to device LOCAL_RANK)
+    # Under MPI this sets RANK, WORLD_SIZE and LOCAL_RANK; on CUDA it binds the group to device LOCAL_RANK.
+    deepspeed.init_distributed()
+    local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():  # a visible device's index, also under Ray (ray_workers.join_world); DeepSpeed's
         torch.cuda.set_device(local_rank)  # engine and zero.Init call set_device(LOCAL_RANK) themselves
     unlink_shared_workspace()
