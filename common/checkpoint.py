@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from common import lora
 from common.args import UserError
+from common.data import merged_eos_ids
 
 LATEST = "latest"
 
@@ -96,9 +97,7 @@ def save_hf_model(model, tokenizer, out_dir: str, rank: int, extra_config: dict 
             model.config.use_cache = True  # restored for inference (training turns it off)
             generation = getattr(model, "generation_config", None)
             if stop_ids and generation is not None:
-                eos = generation.eos_token_id
-                eos = eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos]
-                generation.eos_token_id = list(dict.fromkeys(eos + list(stop_ids)))
+                generation.eos_token_id = merged_eos_ids(generation.eos_token_id, tokenizer, stop_ids)
             if lora.is_lora(model):
                 model.save_pretrained(os.path.join(tmp, "adapter"), state_dict=lora.adapter_state_dict(state))
                 model, state = lora.base_model(model), lora.merged_state_dict(state, model)

@@ -729,6 +729,13 @@ def generation_stop_ids(tokenizer, apply_chat_template: bool) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(end)] if end and end != tokenizer.eos_token else []
 
 
+def merged_eos_ids(eos, tokenizer, extra: list[int]) -> list[int]:
+    """A generation_config's eos_token_id (an id, a list of ids, or None: the tokenizer's EOS) with `extra` ids
+    added, each once, in order."""
+    eos = eos if isinstance(eos, list) else [tokenizer.eos_token_id if eos is None else eos]
+    return list(dict.fromkeys(eos + list(extra)))
+
+
 def decode_response(tokenizer, prompt_ids: list[int], response_ids: list[int], skip_special_tokens: bool = True) -> str:
     """The text of a sampled response as it reads after its prompt.
 

@@ -11,7 +11,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from common.data import generation_stop_ids, load_records, render_prompt
+from common.data import generation_stop_ids, load_records, merged_eos_ids, render_prompt
 from common.synthetic_task import extract_answer, reward_fn
 
 
@@ -25,11 +25,10 @@ def greedy_responses(model_dir: str, prompts: list, apply_chat_template: bool = 
     and the chat template's end-of-turn token."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    stops = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-             *generation_stop_ids(tokenizer, apply_chat_template)]
+    stops = merged_eos_ids(model.generation_config.eos_token_id, tokenizer,
+                           [tokenizer.eos_token_id] + generation_stop_ids(tokenizer, apply_chat_template))
     greedy = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=list(dict.fromkeys(stops)))
+                              eos_token_id=stops)
     texts = [render_prompt(tokenizer, p, apply_chat_template, None) for p in prompts]
     responses = []
     for i in range(0, len(texts), batch_size):
