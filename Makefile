@@ -42,6 +42,7 @@ bench: setup
 	$(PY) bench/bench_sft.py
 	$(PY) bench/bench_preference.py
 	$(PY) bench/bench_packing.py
+	$(PY) bench/bench_length_order.py
 	$(PY) bench/bench_weight_sync.py
 	$(PY) bench/bench_ppo.py
 	$(PY) bench/bench_async.py

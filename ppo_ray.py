@@ -578,24 +578,46 @@ def old_logprob_metrics(args: Args, old_logprobs: torch.Tensor, batch: dict, mas
 
 
 # ------------------------------------------------------------------------------------------------- workers
-def split(batch: dict, size: int, shuffle_seed: int | None = None) -> list[dict]:
-    """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs."""
-    n = len(batch["input_ids"])
-    order = list(range(n))
+def split(batch: dict, size: int, shuffle_seed: int | None = None, sort_rows: int | None = None) -> list[dict]:
+    """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs.
+
+    shuffle_seed shuffles the rows first (each PPO epoch anew). sort_rows sorts each run of that many rows (an
+    optimizer step's) by length before cutting it, so that short rows share micro-batches and pad less. Each
+    micro-batch's loss is its share of the whole train batch's aggregate (train_batch_count), so which rows of a step
+    share a micro-batch changes the padding and nothing else.
+    """
+    order = list(range(len(batch["input_ids"])))
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(order)
-    out = []
-    for i in range(0, n, size):
-        idx = torch.tensor(order[i: i + size])
-        length = int(batch["attention_mask"][idx].sum(1).max())
-        mb = {}
-        for key, value in batch.items():
-            value = value[idx]
-            if value.dim() == 2:
-                value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
-            mb[key] = value.to(device())
-        out.append(mb)
-    return out
+    if sort_rows:
+        lengths = batch["attention_mask"].sum(1).tolist()
+        order = [i for start in range(0, len(order), sort_rows)
+                 for i in sorted(order[start: start + sort_rows], key=lengths.__getitem__)]
+    return [micro_batch(batch, order[i: i + size]) for i in range(0, len(order), size)]
+
+
+def micro_batch(batch: dict, rows: list[int]) -> dict:
+    """These rows of the batch on this worker's device, cut to the longest of them (the batch is right-padded)."""
+    idx = torch.tensor(rows)
+    length = int(batch["attention_mask"][idx].sum(1).max())
+    mb = {}
+    for key, value in batch.items():
+        value = value[idx]
+        if value.dim() == 2:
+            value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
+        mb[key] = value.to(device())
+    return mb
+
+
+def in_length_order(batch: dict, size: int, forward, width: int | None = None) -> torch.Tensor:
+    """forward(micro-batch) over micro-batches of `size` rows taken shortest first, so that rows of alike length
+    pad together; the results back in the batch's row order, on CPU. A (rows, seq) result is zero-padded to `width`
+    columns first."""
+    order = torch.argsort(batch["attention_mask"].sum(1), stable=True)
+    outputs = [forward(micro_batch(batch, order[i: i + size].tolist())) for i in range(0, len(order), size)]
+    if width is not None:
+        outputs = [pad_right(o, width) for o in outputs]
+    return torch.cat(outputs)[torch.argsort(order)].cpu()
 
 
 def pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -684,9 +706,7 @@ class ReferenceWorker(ModelWorker):
         """Log-probs of each next token, (batch, seq - 1), in micro-batches of --micro_rollout_batch_size."""
         self.use_cpu_threads("experience")
         self.engine.eval()
-        width = batch["action_mask"].shape[1]
-        return torch.cat([pad_right(self._logprobs(mb), width)
-                          for mb in split(batch, micro_rollout(self.args))]).cpu()
+        return in_length_order(batch, micro_rollout(self.args), self._logprobs, batch["action_mask"].shape[1])
 
 
 class ActorWorker(ReferenceWorker):
@@ -724,7 +744,8 @@ class ActorWorker(ReferenceWorker):
         # is its micro-batch's share of the whole train batch's aggregate, times what that average divides by.
         scale = accumulation * self.world_size
         for epoch in range(args.max_epochs):
-            micro_batches = split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch)
+            micro_batches = split(experience, args.micro_train_batch_size, args.seed + epoch,
+                                  accumulation * args.micro_train_batch_size)
             for index, mb in enumerate(micro_batches):
                 if index % accumulation == 0:  # an optimizer step's first micro-batch: the count of its train batch
                     count = train_batch_count(micro_batches[index:index + accumulation], agg)
@@ -813,8 +834,8 @@ class RewardModelWorker(ScalarHeadWorker):
         --packing_samples."""
         self.use_cpu_threads("experience")
         self.engine.eval()
-        return torch.cat([sequence_rewards(self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes())
-                          for mb in split(batch, micro_rollout(self.args))]).cpu()
+        return in_length_order(batch, micro_rollout(self.args), lambda mb: sequence_rewards(
+            self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes()))
 
 
 class CriticWorker(ScalarHeadWorker):
@@ -837,8 +858,7 @@ class CriticWorker(ScalarHeadWorker):
         """Critic values for predicting each next token, (batch, seq - 1), aligned with the log-probs."""
         self.use_cpu_threads("experience")
         self.engine.eval()
-        width = batch["action_mask"].shape[1]
-        return torch.cat([pad_right(self._values(mb), width) for mb in split(batch, micro_rollout(self.args))]).cpu()
+        return in_length_order(batch, micro_rollout(self.args), self._values, batch["action_mask"].shape[1])
 
     def fit(self, experience: dict, kl_coef: float = 0.0) -> dict:
         args, stats = self.args, []
@@ -848,7 +868,8 @@ class CriticWorker(ScalarHeadWorker):
         accumulation = self.engine.gradient_accumulation_steps()
         scale = accumulation * self.world_size  # as in the actor's fit: each micro-batch's share of its train batch
         for epoch in range(args.max_epochs):
-            micro_batches = split(experience, args.micro_train_batch_size, shuffle_seed=args.seed + epoch)
+            micro_batches = split(experience, args.micro_train_batch_size, args.seed + epoch,
+                                  accumulation * args.micro_train_batch_size)
             for index, mb in enumerate(micro_batches):
                 if index % accumulation == 0:
                     count = train_batch_count(micro_batches[index:index + accumulation], "token-mean")

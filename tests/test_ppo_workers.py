@@ -174,6 +174,53 @@ def test_a_critic_steps_gradient_does_not_depend_on_how_its_batch_is_cut_into_mi
             torch.testing.assert_close(gradients[micro][name], grad, rtol=1e-4, atol=1e-7, msg=f"{micro} {name}")
 
 
+def test_an_optimizer_steps_rows_are_cut_shortest_first_and_no_row_crosses_into_another_step(tiny_model):
+    """split() sorts each optimizer step's rows by length before cutting them, so that rows of alike length pad
+    together (the gradient tests above show the cut changes nothing else), and keeps each step's rows its own."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    lengths = [9, 2, 6, 3, 8, 2, 7, 4]  # response tokens; every row has one prompt token more
+    batch = experience_batch(tokenizer, lengths)
+    batch["row"] = torch.arange(len(lengths))
+    steps = [[0, 1, 2, 3], [4, 5, 6, 7]]  # without a shuffle, an optimizer step of 4 rows takes 4 rows in turn
+    micro = ppo_ray.split(batch, 2, sort_rows=4)
+    assert [sorted(mb["row"].tolist()) for mb in micro] == [[1, 3], [0, 2], [5, 7], [4, 6]]
+    padded = sum(mb["input_ids"].numel() for mb in micro)
+    unsorted = sum(mb["input_ids"].numel() for mb in ppo_ray.split(batch, 2))
+    assert (padded, unsorted) == (2 * (4 + 10 + 5 + 9), 2 * (10 + 7 + 9 + 8))
+    shuffled = ppo_ray.split(batch, 2, shuffle_seed=1, sort_rows=4)
+    rows = [mb["row"].tolist() for mb in shuffled]
+    assert sorted(sum(rows, [])) == list(range(8)), "a row was dropped or repeated"
+    for mb in shuffled:  # trimmed to its own longest row, and that row whole
+        assert mb["input_ids"].shape[1] == max(lengths[r] for r in mb["row"].tolist()) + 1
+    picked = [set(sum(rows[:2], [])), set(sum(rows[2:], []))]
+    assert picked != [set(s) for s in steps], "the seed did not shuffle the rows between the steps: no test"
+    for step in rows[:2], rows[2:]:  # each step's two micro-batches: the shorter rows first
+        assert max(lengths[r] for r in step[0]) <= min(lengths[r] for r in step[1])
+
+
+def test_experience_forwards_in_length_order_give_each_row_its_own_result(tiny_model):
+    """The reference, reward and critic forwards run micro-batches of rows sorted by length; each row's result
+    must come back to its own place: equal to that row run alone (within its response: log-probs and values)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    critic = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32)
+    batch = experience_batch(tokenizer, [9, 2, 6, 3, 8])
+    results = {}
+    for micro in (2, 1):
+        args = ppo_ray.Args(micro_train_batch_size=micro, normalize_reward=False)
+        results[micro] = (worker(ppo_ray.ReferenceWorker, args, FakeEngine(policy), tokenizer).logprobs(batch),
+                          worker(ppo_ray.CriticWorker, args, FakeEngine(critic), tokenizer).values(batch),
+                          worker(ppo_ray.RewardModelWorker, args, FakeEngine(critic), tokenizer).scores(batch))
+    assert results[1][0].shape == batch["action_mask"].shape and results[1][2].shape == (5,)
+    assert results[1][2].unique().numel() == 5, "the rows score alike: a mix-up would not show"
+    mask = batch["action_mask"]  # beyond its end a row holds what its micro-batch's padding gave
+    for together, alone in zip(results[2], results[1]):
+        if together.dim() == 2:
+            together, alone = together * mask, alone * mask
+        torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+
+
 LENGTHS, ADVANTAGES = [2, 6, 3, 9], [1.0, -2.0, -0.5, 0.7]  # the second response: taken out by --overlong_filter
 
 
