@@ -234,6 +234,7 @@ def main(args: Args):
     eval_samples = (load_pairs(args, tokenizer, args.eval_dataset, args.eval_dataset_split, log)
                     if args.eval_dataset else [])
     steps_per_epoch = len(train_samples) // args.train_batch_size
+    widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
@@ -266,7 +267,7 @@ def main(args: Args):
         epoch = step // steps_per_epoch
         lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
-                                          world_size, rank, args.seed, epoch)[step % steps_per_epoch]
+                                          world_size, rank, args.seed, epoch, widths)[step % steps_per_epoch]
         names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "pairs")  # sums over this step's pairs
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:

@@ -193,6 +193,7 @@ def main(args: Args):
     train_samples = load_samples(args.dataset, args.dataset_split)
     eval_samples = load_samples(args.eval_dataset, args.eval_dataset_split) if args.eval_dataset else []
     steps_per_epoch = len(train_samples) // args.train_batch_size
+    widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
     if steps_per_epoch == 0:
         raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
                              f"lower --train_batch_size below {args.train_batch_size}.")
@@ -223,7 +224,7 @@ def main(args: Args):
         epoch = step // steps_per_epoch
         lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
-                                          world_size, rank, args.seed, epoch)[step % steps_per_epoch]
+                                          world_size, rank, args.seed, epoch, widths)[step % steps_per_epoch]
         start, stats = time.time(), torch.zeros(3, device=device())  # (loss sum, micro-batches, real tokens)
         # DeepSpeed averages the micro-batches' losses over the step's micro-batches and ranks: each loss is its
         # share of the step's token mean, times what that average divides by

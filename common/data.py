@@ -529,12 +529,14 @@ def report_leftover(num_samples: int, train_batch_size: int, source: str, what: 
 
 
 def micro_batches(num_samples: int, train_batch_size: int, micro_batch_size: int, world_size: int, rank: int,
-                  seed: int, epoch: int) -> list[list[list[int]]]:
+                  seed: int, epoch: int, lengths: list[int] | None = None) -> list[list[list[int]]]:
     """Sample indices for one epoch: a list of steps, each a list of this rank's micro-batches.
 
     A step consumes `train_batch_size` samples across all ranks; the order is a fixed function of (seed, epoch),
     so a resumed run sees exactly the batches it would have seen. The last incomplete global batch is left for
-    the next epoch's shuffle.
+    the next epoch's shuffle. With `lengths` (each sample's padded width), a rank's share of each step is sorted
+    by length before it is cut, so that samples of alike length pad together. Pass it only where a step's loss does
+    not depend on which of its samples share a micro-batch (a mean over the step's tokens or pairs).
     """
     order = list(range(num_samples))
     random.Random(seed * 100_003 + epoch).shuffle(order)
@@ -542,8 +544,18 @@ def micro_batches(num_samples: int, train_batch_size: int, micro_batch_size: int
     steps = []
     for start in range(0, num_samples - train_batch_size + 1, train_batch_size):
         mine = order[start + rank * per_rank: start + (rank + 1) * per_rank]
+        if lengths is not None:
+            mine.sort(key=lengths.__getitem__)
         steps.append([mine[i: i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)])
     return steps
+
+
+def padded_width(sample: dict) -> int:
+    """The columns a sample takes in a padded micro-batch: its tokens, or a pair's longer side (micro_batches'
+    lengths)."""
+    if "input_ids" in sample:
+        return len(sample["input_ids"])
+    return max(len(sample["chosen"]["input_ids"]), len(sample["rejected"]["input_ids"]))
 
 
 def stream_indices(num_samples: int, count: int, seed: int, start: int) -> list[int]:

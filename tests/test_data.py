@@ -2,6 +2,7 @@
 
 import copy
 import json
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -466,6 +467,24 @@ def test_micro_batches_split_a_global_batch_across_ranks_deterministically():
         assert len(both) == len(set(both)) == 8 and all(len(mb) == 2 for mb in steps[0][step])
     assert steps[0] == data.micro_batches(50, 8, 2, world, 0, seed=1, epoch=3)
     assert steps[0] != data.micro_batches(50, 8, 2, world, 0, seed=1, epoch=4)
+
+
+def test_with_lengths_each_ranks_share_of_a_step_is_cut_shortest_first_and_holds_the_same_samples():
+    """sft.py, dpo.py and rm.py pass each sample's padded width: samples of alike length share a micro-batch and pad
+    less, while each step and rank keep the samples they had (their losses are means over the whole step)."""
+    lengths = [random.Random(i).randint(5, 500) for i in range(50)]
+    pairs = [{"chosen": {"input_ids": [1] * n}, "rejected": {"input_ids": [1] * (n // 2)}} for n in lengths]
+    assert [data.padded_width(p) for p in pairs] == lengths == [data.padded_width(p["chosen"]) for p in pairs]
+    for rank in range(2):
+        plain = data.micro_batches(50, 16, 2, 2, rank, seed=1, epoch=3)
+        cut = data.micro_batches(50, 16, 2, 2, rank, seed=1, epoch=3, lengths=lengths)
+        assert [sorted(sum(step, [])) for step in cut] == [sorted(sum(step, [])) for step in plain]
+        for step in cut:
+            widths = [lengths[i] for mb in step for i in mb]
+            assert widths == sorted(widths)
+        padding = lambda steps: sum(len(mb) * max(lengths[i] for i in mb) - sum(lengths[i] for i in mb)
+                                    for step in steps for mb in step)
+        assert padding(cut) < 0.5 * padding(plain), (padding(cut), padding(plain))
 
 
 @dataclass
