@@ -577,6 +577,20 @@ def old_logprob_metrics(args: Args, old_logprobs: torch.Tensor, batch: dict, mas
             "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask)}
 
 
+def batch_means(per_micro_batch: list[tuple[dict, torch.Tensor]]) -> dict:
+    """Means over the whole batch of metrics each micro-batch gave as means of its own, with its action mask: a mean
+    over responses (objective/kl) weighed by the micro-batch's responses, a mean over tokens by its tokens. A plain
+    mean of the means would weigh a token of a micro-batch of short responses more, and split cuts them shortest
+    first."""
+    out = {}
+    for key in per_micro_batch[0][0] if per_micro_batch else []:
+        weights = torch.tensor([float((mask.sum(-1) > 0).sum() if key == "objective/kl" else mask.sum())
+                                for _, mask in per_micro_batch])
+        values = torch.stack([metrics[key].detach().float().cpu() for metrics, _ in per_micro_batch])
+        out[key] = (values * weights).sum() / weights.sum().clamp(min=1)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- workers
 def split(batch: dict, size: int, shuffle_seed: int | None = None, sort_rows: int | None = None) -> list[dict]:
     """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs.
@@ -733,12 +747,11 @@ class ActorWorker(ReferenceWorker):
 
     def fit(self, experience: dict, kl_coef: float, step: int) -> dict:
         """The PPO policy update on this rank's share of the experience, for --max_epochs passes, at PPO `step`."""
-        args, stats = self.args, []
+        args, losses, means, on_policy = self.args, [], [], []  # means, on_policy: (metrics, mask) per micro-batch
         micro_batches_per_step = args.max_epochs * -(-len(experience["input_ids"]) // args.micro_train_batch_size)
         self.use_cpu_threads("train")
         self.engine.train()
         lr = self.engine.get_lr()[0]  # the rate of this fit's first update; the scheduler moves on after each
-        on_policy = []  # old_logprob_metrics of each micro-batch, where the update makes the old log-probs itself
         agg, accumulation = loss_agg(args), self.engine.gradient_accumulation_steps()
         # DeepSpeed averages the micro-batches' losses over an optimizer step's micro-batches and ranks; each loss
         # is its micro-batch's share of the whole train batch's aggregate, times what that average divides by.
@@ -753,9 +766,9 @@ class ActorWorker(ReferenceWorker):
                 mask = mb["action_mask"]
                 if "old_logprobs" not in mb:  # update_is_on_policy: these weights sampled the batch
                     mb["old_logprobs"] = logprobs.detach()
-                    on_policy.append(old_logprob_metrics(args, mb["old_logprobs"], mb, mask))
+                    on_policy.append((old_logprob_metrics(args, mb["old_logprobs"], mb, mask), mask))
                     if args.vllm_is_correction:
-                        mb["is_weights"], on_policy[-1]["vllm/is_capped"] = truncated_is_weights(
+                        mb["is_weights"], on_policy[-1][0]["vllm/is_capped"] = truncated_is_weights(
                             mb["old_logprobs"], mb["vllm_logprobs"], mask, args.vllm_is_cap)
                 loss, clipfrac, approx_kl = policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip,
@@ -763,12 +776,13 @@ class ActorWorker(ReferenceWorker):
                 if args.advantage_estimator in KL_IN_LOSS and "ref_logprobs" in mb:  # GRPO's KL: k3, in the loss
                     kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3", mask)
                     loss = loss + kl_coef * tricks.aggregate(kl, mask, agg, args.generate_max_len, count)
-                mean_entropy = tricks.masked_mean(entropy, mask)
+                means.append(({"policy/clipfrac": clipfrac, "policy/approxkl": approx_kl,
+                               "objective/entropy": tricks.masked_mean(entropy, mask)}, mask))
                 if args.entropy_coef:
                     loss = loss - args.entropy_coef * tricks.aggregate(entropy, mask, agg, args.generate_max_len, count)
                 loss = loss * scale
                 if self.ptx:  # InstructGPT's PPO-ptx: keep the pretraining distribution's likelihood up
-                    picked = self._ptx_rows(step * micro_batches_per_step + len(stats))
+                    picked = self._ptx_rows(step * micro_batches_per_step + len(losses))
                     ptx = pad_collate(picked, self.tokenizer.pad_token_id)
                     ptx = {k: v.to(mask.device) for k, v in ptx.items()}
                     ptx_logits = self.engine(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
@@ -776,11 +790,9 @@ class ActorWorker(ReferenceWorker):
                     loss = loss - args.ptx_coef * tricks.masked_mean(ptx_logprobs, ptx["loss_mask"][:, 1:])
                 self.engine.backward(loss)
                 self.engine.step()
-                stats.append([loss.item(), clipfrac.item(), approx_kl.item(), mean_entropy.item()])
-        mean = torch.tensor(stats).mean(0)
-        return {"policy/loss": mean[0], "policy/clipfrac": mean[1], "policy/approxkl": mean[2],
-                "objective/entropy": mean[3], "policy/lr": lr,
-                **{k: torch.stack([m[k] for m in on_policy]).mean().cpu() for k in (on_policy[:1] or [{}])[0]}}
+                losses.append(loss.item())
+        return {"policy/loss": sum(losses) / len(losses), "policy/lr": lr, **batch_means(means),
+                **batch_means(on_policy)}
 
     @torch.no_grad()
     def reference_logprobs(self, batch: dict) -> torch.Tensor:

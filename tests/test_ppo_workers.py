@@ -140,18 +140,21 @@ def test_an_optimizer_steps_gradient_does_not_depend_on_how_its_batch_is_cut_int
     experience = experience_batch(tokenizer, [2, 6, 3, 9])
     experience["action_mask"][1] = 0  # --overlong_filter's doing
     experience["advantages"] = torch.tensor([1.0, -2.0, -0.5, 0.7])[:, None] * experience["action_mask"]
-    gradients = {}
+    gradients, metrics = {}, {}
     for micro in (4, 2, 1):
         torch.manual_seed(0)
         engine = FakeEngine(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), 4 // micro)
         args = ppo_ray.Args(micro_train_batch_size=micro, max_epochs=1, advantage_estimator="rloo", loss_agg=agg,
                             generate_max_len=16)
         batch = {k: v.clone() for k, v in experience.items() if k != "old_logprobs"}  # on policy, ratio 1
-        worker(ppo_ray.ActorWorker, args, engine, tokenizer).fit(batch, 0.0, 0)
+        metrics[micro] = worker(ppo_ray.ActorWorker, args, engine, tokenizer).fit(batch, 0.0, 0)
         (gradients[micro],) = engine.gradients
     for micro in (2, 1):
         for name, grad in gradients[4].items():
             torch.testing.assert_close(gradients[micro][name], grad, rtol=1e-4, atol=1e-7, msg=f"{agg} {micro} {name}")
+        # the logged means too: per token (entropy, vLLM's error), per response (the KL to the reference)
+        for name in ("objective/entropy", "vllm/logprob_diff", "objective/kl", "policy/clipfrac", "policy/loss"):
+            assert float(metrics[micro][name]) == pytest.approx(float(metrics[4][name]), rel=1e-4), (micro, name)
 
 
 def test_a_critic_steps_gradient_does_not_depend_on_how_its_batch_is_cut_into_micro_batches(tiny_model):
