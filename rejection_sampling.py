@@ -356,7 +356,12 @@ def train_command(args: Args, policy: str, dataset: str, out: str) -> list[str]:
     flags = ["--pretrain", policy, "--dataset", dataset, "--output_dir", out]
     flags += ["--apply_chat_template"] if args.apply_chat_template else []
     flags += ["--input_template", args.input_template] if args.input_template else []
-    return launcher + [script] + flags + shlex.split(args.train_args)
+    extra = shlex.split(args.train_args)
+    if not any(flag == "--max_len" or flag.startswith("--max_len=") for flag in extra):
+        # the trainers' default (512) would cut the selected responses that --max_model_len let the engines write,
+        # and their EOS with them
+        flags += ["--max_len", str(args.max_model_len)]
+    return launcher + [script] + flags + extra
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -151,16 +151,34 @@ def test_a_reward_model_reads_what_the_policy_s_template_renders(tiny_model, tas
 
 def test_training_runs_as_a_user_would_type_it():
     args = Args(pretrain="p", mode="dpo_pairs", apply_chat_template=True, train_args="--max_steps 5 --beta 0.2",
-                train_num_gpus=2)
+                train_num_gpus=2, max_model_len=1536)
     command = train_command(args, "out/iter_0/model", "out/iter_1/dpo_pairs.jsonl", "out/iter_1/model")
     assert command == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
                        os.path.join(ROOT, "dpo.py"), "--pretrain", "out/iter_0/model", "--dataset",
                        "out/iter_1/dpo_pairs.jsonl", "--output_dir", "out/iter_1/model", "--apply_chat_template",
-                       "--max_steps", "5", "--beta", "0.2"]
-    args = Args(pretrain="p", input_template="Q: {} A: ")
+                       "--max_len", "1536", "--max_steps", "5", "--beta", "0.2"]
+    args = Args(pretrain="p", input_template="Q: {} A: ", max_model_len=2048, train_args="--max_len=4096")
     assert train_command(args, "p", "d.jsonl", "m") == [sys.executable, os.path.join(ROOT, "sft.py"), "--pretrain",
                                                         "p", "--dataset", "d.jsonl", "--output_dir", "m",
-                                                        "--input_template", "Q: {} A: "]
+                                                        "--input_template", "Q: {} A: ", "--max_len=4096"]
+
+
+def test_the_trainer_keeps_a_selected_response_the_engines_could_write_whole(tiny_model, tmp_path):
+    """A response of 600 tokens fits the engines' --max_model_len 1024, and rejection sampling selects it as
+    finished; sft.py's default --max_len 512 cut it, and its EOS, so the policy learned to run on."""
+    import sft
+    from common import data
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [{"prompt": "1+6?", "response": " ".join(["7"] * 300)}]  # 600 tokens
+    args = Args(pretrain=tiny_model, max_model_len=1024, apply_chat_template=True)
+    command = train_command(args, tiny_model, "sft.jsonl", "m")
+    max_len = int(command[command.index("--max_len") + 1])
+    logged = []
+    (sample,) = data.build_sft_samples(rows, tokenizer, "sft.jsonl", "prompt", "response", max_len, True,
+                                       log=logged.append)
+    assert sample["input_ids"][-1] == tokenizer.eos_token_id and not logged
+    assert len(sample["input_ids"]) > sft.Args().max_len, "the default would not have cut it: no test"
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
