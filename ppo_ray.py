@@ -631,7 +631,7 @@ def in_length_order(batch: dict, size: int, forward, width: int | None = None) -
     outputs = [forward(micro_batch(batch, order[i: i + size].tolist())) for i in range(0, len(order), size)]
     if width is not None:
         outputs = [pad_right(o, width) for o in outputs]
-    return torch.cat(outputs)[torch.argsort(order)].cpu()
+    return torch.cat(outputs).cpu()[torch.argsort(order)]
 
 
 def pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
