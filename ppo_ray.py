@@ -399,13 +399,14 @@ def compute_advantages(args, scores, kl, values, mask, kl_coef):
     rloo's token returns (mean removed over all tokens) would bring back a baseline that depends on the response's
     length, which undoes the leave-one-out estimator's unbiasedness (Ahmadian et al. 2024).
     """
-    estimator = args.advantage_estimator
+    estimator, n = args.advantage_estimator, args.n_samples_per_prompt
+    keep = mask.bool().any(-1)  # a group's baseline is over the responses --overlong_filter left in
     if estimator in KL_IN_LOSS:  # KL goes into the loss instead (see ActorWorker.fit)
-        group = tricks.group_advantages(scores, args.n_samples_per_prompt, "grpo" if estimator == "grpo" else "mean")
+        group = tricks.group_advantages(scores, n, "grpo" if estimator == "grpo" else "mean", keep=keep)
         advantages = group[:, None] * mask
         return advantages, advantages
     if estimator in ("rloo", "reinforce++-baseline"):  # a baseline from the other samples of the same prompt
-        scores = tricks.group_advantages(scores, args.n_samples_per_prompt, "rloo" if estimator == "rloo" else "mean")
+        scores = tricks.group_advantages(scores, n, "rloo" if estimator == "rloo" else "mean", keep=keep)
     token_rewards = tricks.compute_token_rewards(scores, kl, mask, kl_coef)
     if estimator == "gae":
         advantages, returns = tricks.compute_gae(token_rewards, values, mask, args.gamma, args.lambd)
@@ -577,17 +578,29 @@ def old_logprob_metrics(args: Args, old_logprobs: torch.Tensor, batch: dict, mas
             "vllm/logprob_diff": tricks.masked_mean((batch["vllm_logprobs"] - old_logprobs).abs(), mask)}
 
 
-def batch_means(per_micro_batch: list[tuple[dict, torch.Tensor]]) -> dict:
+def batch_means(per_micro_batch: list[tuple[dict, torch.Tensor]]) -> tuple[dict, dict]:
     """Means over the whole batch of metrics each micro-batch gave as means of its own, with its action mask: a mean
     over responses (objective/kl) weighed by the micro-batch's responses, a mean over tokens by its tokens. A plain
     mean of the means would weigh a token of a micro-batch of short responses more, and split cuts them shortest
-    first."""
-    out = {}
+    first. Returns the means and, for mean_over_ranks, the weight of each: its tokens or responses."""
+    means, weights = {}, {}
     for key in per_micro_batch[0][0] if per_micro_batch else []:
-        weights = torch.tensor([float((mask.sum(-1) > 0).sum() if key == "objective/kl" else mask.sum())
-                                for _, mask in per_micro_batch])
+        counts = torch.tensor([float((mask.sum(-1) > 0).sum() if key == "objective/kl" else mask.sum())
+                               for _, mask in per_micro_batch])
         values = torch.stack([metrics[key].detach().float().cpu() for metrics, _ in per_micro_batch])
-        out[key] = (values * weights).sum() / weights.sum().clamp(min=1)
+        means[key], weights[key] = (values * counts).sum() / counts.sum().clamp(min=1), counts.sum().item()
+    return means, weights
+
+
+def mean_over_ranks(ranks: list[dict]) -> dict:
+    """The workers' metrics averaged over their ranks; where a rank gives a metric's weight (its "weights" entry:
+    the tokens or responses it averaged over), weighed by it, so that each token counts alike on any rank."""
+    weights = [rank.pop("weights", {}) for rank in ranks]
+    out = {}
+    for key in ranks[0]:
+        values = torch.stack([torch.as_tensor(rank[key], dtype=torch.float) for rank in ranks])
+        counts = torch.tensor([float(w.get(key, 1.0)) for w in weights])
+        out[key] = (values * counts).sum() / counts.sum() if counts.sum() > 0 else values.mean()
     return out
 
 
@@ -791,8 +804,9 @@ class ActorWorker(ReferenceWorker):
                 self.engine.backward(loss)
                 self.engine.step()
                 losses.append(loss.item())
-        return {"policy/loss": sum(losses) / len(losses), "policy/lr": lr, **batch_means(means),
-                **batch_means(on_policy)}
+        (update, update_weights), (sampled, sampled_weights) = batch_means(means), batch_means(on_policy)
+        return {"policy/loss": sum(losses) / len(losses), "policy/lr": lr, **update, **sampled,
+                "weights": {**update_weights, **sampled_weights}}
 
     @torch.no_grad()
     def reference_logprobs(self, batch: dict) -> torch.Tensor:
@@ -1159,11 +1173,12 @@ def rollout(args: Args, roles: dict, prompts: list[dict], step: int, tokenizer,
     samples = respond(args, roles, picked, n, args.temperature, tokenizer)
     if not args.dynamic_sampling:
         return picked, samples, None
-    kept, dropped, first = [], [], None
+    kept, dropped, first, generated = [], [], None, 0
     for round_ in range(args.dynamic_sampling_max_rounds):
         if round_:
             picked = further_prompts(args, prompts, step, round_)
             samples = respond(args, roles, picked, n, args.temperature, tokenizer)
+        generated += generated_tokens(samples)
         scores, metrics = score_rollouts(args, roles, picked, samples, tokenizer, reward_fn)
         first = metrics if first is None else first
         spread = tricks.groups_with_a_spread(scores, n)
@@ -1175,8 +1190,14 @@ def rollout(args: Args, roles: dict, prompts: list[dict], step: int, tokenizer,
     groups = (kept + dropped)[:size]  # those with a spread first
     picked, samples, scores = [g[0] for g in groups], [g[1] for g in groups], torch.cat([g[2] for g in groups])
     metrics = {**first, "dynamic_sampling/dropped": len(dropped) / drawn, "dynamic_sampling/rounds": round_ + 1,
-               "dynamic_sampling/filled": max(0, size - len(kept)) / size}
+               "dynamic_sampling/filled": max(0, size - len(kept)) / size,
+               "dynamic_sampling/generated_tokens": generated}
     return picked, samples, (scores, metrics)
+
+
+def generated_tokens(samples: list[list[dict]]) -> int:
+    """The tokens vLLM sampled for these responses, cut ones included; of a multi-turn episode, the policy's."""
+    return sum(sum(s["env_mask"]) if "env_mask" in s else len(s["token_ids"]) for group in samples for s in group)
 
 
 def start_rollout(args: Args, roles: dict, prompts: list[dict], step: int) -> tuple[list[dict], list]:
@@ -1222,11 +1243,9 @@ def train_step(roles: dict, experience: dict, kl_coef: float, step: int, micro: 
     actor, critic = roles["actor"], roles.get("critic")
     actor_fit = actor.call_sharded("fit", shard(experience, len(actor), micro), kl_coef, step)
     critic_fit = critic.call_sharded("fit", shard(experience, len(critic), micro)) if critic else []
-    mean = lambda ranks: {k: torch.stack([torch.as_tensor(m[k], dtype=torch.float) for m in ranks]).mean()
-                          for k in ranks[0]}
-    metrics = mean(actor.get(actor_fit))  # each rank's means over its share of the experience, averaged
+    metrics = mean_over_ranks(actor.get(actor_fit))  # each rank's means over its share of the experience
     if critic_fit:
-        metrics.update(mean(critic.get(critic_fit)))
+        metrics.update(mean_over_ranks(critic.get(critic_fit)))
     return metrics
 
 
@@ -1419,7 +1438,8 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
             kl_ctl.update(metrics["objective/kl"].item(), len(experience["input_ids"]))
             metrics.update({"objective/kl_coef": kl_ctl.value, **timings})
             if not args.async_rollouts:  # (asynchronous generation is timed by no one: it overlaps the update)
-                metrics["perf/rollout_tokens_per_sec"] = experience["action_mask"].sum() / timings["time/generate"]
+                generated = metrics.get("dynamic_sampling/generated_tokens", generated_tokens(samples))
+                metrics["perf/rollout_tokens_per_sec"] = generated / timings["time/generate"]
             if eval_prompts and args.eval_steps and (step + 1) % args.eval_steps == 0:
                 metrics.update(sync_engines(step + 1))  # --async_rollouts: then step + 2 has nothing to sync
                 metrics.update(evaluate(args, roles, tokenizer, reward_fn, eval_prompts))

@@ -134,7 +134,7 @@ def compute_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> 
 
 
 def group_advantages(
-    scores: torch.Tensor, n_samples_per_prompt: int, kind: str, eps: float = 1e-6
+    scores: torch.Tensor, n_samples_per_prompt: int, kind: str, eps: float = 1e-6, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Critic-free advantages for a flat (batch,) of scores holding n_samples_per_prompt consecutive samples per prompt.
 
@@ -144,6 +144,10 @@ def group_advantages(
       baseline (Hu et al. 2025) before its batch whitening.
     - "rloo" (Ahmadian et al. 2024): score minus the mean of the other samples of the same prompt, an unbiased
       baseline because it does not depend on the sample itself; needs at least 2 samples per prompt.
+
+    `keep` (batch,) bool: only these samples count, as if the others had not been sampled (--overlong_filter). The
+    group statistics are over a group's kept samples; the others get 0, and so does a kept sample with no other to
+    compare with.
     """
     n = n_samples_per_prompt
     if n < 1 or scores.shape[0] % n != 0:
@@ -151,21 +155,25 @@ def group_advantages(
             f"a batch of {scores.shape[0]} scores does not split into groups of n_samples_per_prompt={n}; "
             "make the rollout batch a multiple of n_samples_per_prompt."
         )
-    groups = scores.reshape(-1, n)  # (prompts, n)
-    if kind == "grpo":
-        # One sample has no spread to divide by; correction=0 makes its std 0 instead of NaN.
-        std = groups.std(dim=1, keepdim=True, correction=1 if n > 1 else 0)
-        advantages = (groups - groups.mean(dim=1, keepdim=True)) / (std + eps)
-    elif kind == "mean":
-        advantages = groups - groups.mean(dim=1, keepdim=True)
-    elif kind == "rloo":
-        if n < 2:
-            raise ValueError("rloo needs n_samples_per_prompt >= 2 to form a leave-one-out baseline; raise it.")
-        baseline = (groups.sum(dim=1, keepdim=True) - groups) / (n - 1)
-        advantages = groups - baseline
-    else:
+    if kind == "rloo" and n < 2:
+        raise ValueError("rloo needs n_samples_per_prompt >= 2 to form a leave-one-out baseline; raise it.")
+    if kind not in ("grpo", "mean", "rloo"):
         raise ValueError(f"unknown group advantage {kind!r}; use 'grpo', 'mean' or 'rloo'.")
-    return advantages.reshape(-1)
+    groups = scores.reshape(-1, n)  # (prompts, n)
+    kept = torch.ones_like(groups) if keep is None else keep.reshape(-1, n).to(groups.dtype)
+    count = kept.sum(dim=1, keepdim=True)  # (prompts, 1)
+    total = (groups * kept).sum(dim=1, keepdim=True)
+    mean = total / count.clamp(min=1)
+    if kind == "rloo":  # the mean of the group's other kept samples
+        advantages = groups - (total - groups) / (count - 1).clamp(min=1)
+        advantages = advantages * (count > 1)
+    else:
+        advantages = groups - mean
+    if kind == "grpo":
+        # One sample has no spread to divide by: its std is 0 (correction 0), as is its advantage.
+        variance = ((groups - mean) ** 2 * kept).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)
+        advantages = advantages / (variance.sqrt() + eps)
+    return (advantages * kept).reshape(-1)
 
 
 def groups_with_a_spread(scores: torch.Tensor, n_samples_per_prompt: int, eps: float = 1e-6) -> torch.Tensor:

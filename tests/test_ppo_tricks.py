@@ -324,6 +324,23 @@ def test_rloo_matches_leave_one_out_loop():
         assert advantages[i].item() == pytest.approx(scores[i].item() - sum(others) / len(others))
 
 
+@pytest.mark.parametrize("kind", ["grpo", "mean", "rloo"])
+def test_samples_left_out_count_for_nothing_in_their_groups_baseline(kind):
+    """--overlong_filter takes responses cut at the limit out "as if they had not been sampled": a group's kept
+    samples get the advantages they would get alone, the others 0. Before, a group scored [1, 0, 0, 0] with its last
+    two cut gave its kept pair 1.5 and -0.5 under grpo, for 0.71 and -0.71 without the cut ones."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 0.5, 3.0, -1.0], dtype=torch.float64)
+    keep = torch.tensor([True, True, False, False, True, True, True, False])
+    advantages = group_advantages(scores, 4, kind, keep=keep)
+    alone = [group_advantages(scores[:2], 2, kind), group_advantages(scores[4:7], 3, kind)]
+    torch.testing.assert_close(advantages[keep], torch.cat(alone))
+    assert (advantages[~keep] == 0).all()
+    lone = group_advantages(scores[:4], 4, kind, keep=torch.tensor([True, False, False, False]))
+    assert lone.tolist() == [0.0] * 4, "a sample with no other to compare with has no advantage"
+    torch.testing.assert_close(group_advantages(scores, 4, kind, keep=torch.ones(8, dtype=torch.bool)),
+                               group_advantages(scores, 4, kind))
+
+
 def test_rloo_needs_two_samples_per_prompt():
     with pytest.raises(ValueError, match="n_samples_per_prompt >= 2"):
         group_advantages(torch.randn(4), 1, "rloo")
@@ -372,6 +389,21 @@ def test_gae_and_reinforce_advantages_are_whitened(estimator):
     advantages, _ = ppo_ray.compute_advantages(args, scores, kl, values, mask, kl_coef=0.1)
     assert masked_mean(advantages, mask).item() == pytest.approx(0.0, abs=1e-6)
     assert masked_var(advantages, mask).item() == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce++-baseline"])
+def test_a_response_the_overlong_filter_took_out_moves_no_other_responses_advantage(estimator):
+    """make_experience zeroes a cut response's action mask; its score, whatever it is, must not reach its group's
+    baseline."""
+    args, scores, kl, values, mask = rollout(estimator)
+    args.n_samples_per_prompt = 4
+    mask[1] = 0  # the second response of the first group of four: cut at the limit
+    advantages, _ = ppo_ray.compute_advantages(args, scores, kl, values, mask, kl_coef=0.1)
+    changed = scores.clone()
+    changed[1] = 100.0
+    moved, _ = ppo_ray.compute_advantages(args, changed, kl, values, mask, kl_coef=0.1)
+    torch.testing.assert_close(moved, advantages)
+    assert advantages[:4].abs().sum() > 0, "the group's advantages are all 0: no test"
 
 
 def test_every_ppo_trick_is_run_by_a_script():

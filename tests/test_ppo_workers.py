@@ -266,6 +266,38 @@ def test_two_ranks_weigh_each_token_of_the_train_batch_as_one_rank_does(tiny_mod
         torch.testing.assert_close(torch.load(out)[name], grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_metrics_of_ranks_with_unequal_tokens_weigh_each_token_alike(tiny_model):
+    """Rank 0 holds 2 response tokens (its other response filtered out), rank 1 holds 12: the logged token means
+    over both ranks must be those of one rank holding all four rows, not the mean of the two ranks' means."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    experience = experience_batch(tokenizer, LENGTHS)
+    experience["action_mask"][1] = 0
+    experience["advantages"] = torch.tensor(ADVANTAGES)[:, None] * experience["action_mask"]
+    del experience["old_logprobs"]
+
+    def fit(rows):
+        torch.manual_seed(0)
+        engine = FakeEngine(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+        args = ppo_ray.Args(micro_train_batch_size=len(rows), max_epochs=1, advantage_estimator="rloo")
+        return worker(ppo_ray.ActorWorker, args, engine, tokenizer).fit(
+            {k: v[rows].clone() for k, v in experience.items()}, 0.0, 0)
+
+    whole = ppo_ray.mean_over_ranks([fit([0, 1, 2, 3])])
+    ranks = ppo_ray.mean_over_ranks([fit([0, 1]), fit([2, 3])])
+    for name in ("objective/entropy", "vllm/logprob_diff", "objective/kl"):
+        assert float(ranks[name]) == pytest.approx(float(whole[name]), rel=1e-4), name
+    plain = (float(fit([0, 1])["objective/entropy"]) + float(fit([2, 3])["objective/entropy"])) / 2
+    assert abs(plain - float(whole["objective/entropy"])) > 1e-3, "the ranks' means agree: no test"
+
+
+def test_rollout_throughput_counts_every_sampled_token_and_no_environment_token():
+    """perf/rollout_tokens_per_sec counted the trained action mask: the responses --overlong_filter took out (the
+    longest) were generated but not counted, and a multi-turn episode's environment tokens were never generated."""
+    samples = [[{"token_ids": [5] * 8, "finish_reason": "length"}, {"token_ids": [5] * 3, "finish_reason": "stop"}],
+               [{"token_ids": [5] * 6, "env_mask": [1, 1, 0, 0, 0, 1], "finish_reason": "stop"}]]
+    assert ppo_ray.generated_tokens(samples) == 8 + 3 + 3
+
+
 # ---------------------------------------------------------------------------------------------------- critic
 def test_critic_from_reward_model_starts_on_the_normalised_reward_scale(tiny_model):
     """At step 0 a critic initialised from the reward model values a finished sequence at its normalised score,
