@@ -249,10 +249,13 @@ def main(args: Args):
     launcher_world_size = int(os.environ.get("WORLD_SIZE", mpi_launch()[0]))
     gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size, launcher_world_size)
     ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
-    # what fixes the data order and the ZeRO partitioning: a resumed run must match them, before the model loads
+    # what fixes the data order and the ZeRO partitioning, and what makes it this run (its model, data, schedule):
+    # a resumed run must match them, before the model loads
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
                 "the number of ranks": launcher_world_size, "--zero_stage": checkpoint.zero_layout(args.zero_stage),
-                **lora.settings(args)}
+                **lora.settings(args),
+                **checkpoint.run_settings(__file__, args, "pretrain", "ref_pretrain", "dataset", "beta",
+                                          "learning_rate", "warmup_ratio", "min_lr_ratio")}
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
@@ -282,6 +285,7 @@ def main(args: Args):
 
     rank, world_size, local_rank = init_distributed()
     settings["the number of ranks"] = world_size  # as formed: an MPI launch may set no WORLD_SIZE
+    settings["a total of"] = f"{total_steps} steps"  # --max_steps, or --max_epochs passes over the data
     torch.manual_seed(args.seed)
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)

@@ -70,7 +70,7 @@ from common import ppo_tricks as tricks
 from common.args import (Interrupted, UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
                          check_output_dir, check_packing, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import (check_keep_last, check_settings, describe, load_train_state, prune, save_hf_model,
-                               save_train_state, write_atomically, zero_layout)
+                               run_settings, save_train_state, write_atomically, zero_layout)
 from common.data import (DataError, build_sft_samples, decode_response, generation_stop_ids, get_key, get_labels,
                          load_records, pad_collate, render_prompt, reward_model_input_ids, sample_context,
                          stream_indices)
@@ -1281,15 +1281,20 @@ def trained_roles(roles: dict) -> dict:
 
 
 def resume_settings(args: Args) -> dict:
-    """What fixes the prompt order, the update's batches and the ZeRO partitioning: a resumed run must match it."""
+    """What fixes the prompt order, the update's batches and the ZeRO partitioning, and what makes it this run (its
+    models, prompts and schedule): a resumed run must match it."""
     names = ["seed", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "actor_num_workers"]
+    run = ["pretrain", "reward_pretrain", "prompt_data", "actor_learning_rate", "warmup_ratio", "min_lr_ratio",
+           "max_steps"]
     roles = ["actor", "critic"] if args.advantage_estimator == "gae" else ["actor"]
     if "critic" in roles:  # the critic's ZeRO partitioning
         names.append("critic_num_workers")
+        run += ["critic_pretrain", "critic_learning_rate"]
     stages = {f"the {role}'s --zero_stage": zero_layout(trained_zero_stage(
         args.zero_stage, getattr(args, f"{role}_num_workers"), args.offload_optimizer, args.load_in_4bit))
         for role in roles}
-    return {**{f"--{name}": getattr(args, name) for name in names}, **stages, **lora.settings(args)}
+    return {**{f"--{name}": getattr(args, name) for name in names}, **stages, **lora.settings(args),
+            **run_settings(__file__, args, *run)}
 
 
 def checkpoint_dir(args: Args) -> str:

@@ -223,6 +223,14 @@ def check_settings(saved: dict | None, settings: dict, ckpt_dir: str) -> None:
                         f"{saved[k]} to resume it, or give another --output_dir (or --ckpt_dir) to start anew.")
 
 
+def run_settings(script: str, args, *flags: str) -> dict:
+    """The settings (check_settings) that tell another run's checkpoint from this run's: the script, and the values
+    of `flags` of `args` (which model, which data, which schedule). Without them a command pointed at a folder that
+    held another run's checkpoints resumed that run, its weights, optimizer and step, and where that step was past
+    this run's end, saved that run's model as its own."""
+    return {"the script": os.path.basename(script), **{f"--{flag}": getattr(args, flag) for flag in flags}}
+
+
 def zero_layout(stage: int) -> str:
     """The ZeRO stages whose checkpoints load into each other, named for check_settings: 1 and 2 share one layout;
     0 and 3 have their own (DeepSpeed fails deep inside load_checkpoint across them)."""

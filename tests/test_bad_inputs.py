@@ -308,6 +308,34 @@ def test_a_trainer_refuses_to_resume_a_checkpoint_of_other_settings_before_loadi
         "latest", "settings.json"]
 
 
+@pytest.mark.parametrize("script", TRAINERS)
+@pytest.mark.parametrize("flag,saved", [("the script", "another.py"), ("--pretrain", "other_model"),
+                                        ("--learning_rate", 0.5)])
+def test_a_trainer_refuses_to_resume_another_runs_checkpoint(script, flag, saved, tiny_model, task, tmp_path, capsys):
+    """A command pointed at a folder holding another run's checkpoints (another script, model or schedule; the
+    default --output_dir makes it easy) resumed that run's weights, optimizer and step, and where that step was
+    past its own end saved that run's model as its own. Refused before the model loads."""
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "settings.json").write_text(json.dumps({flag: saved}))
+    (out / "checkpoints" / "latest").write_text("step_4")
+    code, stderr = run_in_process(script, command(script, tiny_model, task, str(out)), capsys)
+    assert code == 2 and stderr.count("error: ") == 1 and "Traceback" not in stderr, stderr
+    assert f"holds a run made with {flag} {saved}, not " in stderr and "give another --output_dir" in stderr, stderr
+
+
+@pytest.mark.slow
+def test_a_trainer_refuses_to_resume_with_another_total_of_steps(tiny_model, task, tmp_path):
+    """--max_steps sets the LR schedule's length: resuming with another rebuilt the schedule under the saved step
+    count, and the rate jumped. Checked once the data is read, when the total is known."""
+    out = str(tmp_path / "out")
+    run_script("sft.py", command("sft", tiny_model, task, out, "--max_steps", "2", "--save_steps", "2"))
+    result = run_script("sft.py", command("sft", tiny_model, task, out, "--max_steps", "3", "--save_steps", "2"),
+                        check=False)
+    assert result.returncode == 2, result.stderr
+    assert "holds a run made with a total of 2 steps, not 3 steps; rerun with a total of 2 steps" in result.stderr
+
+
 def test_rejection_sampling_defaults_its_context_to_the_models(short_model, task, tmp_path, capsys):
     """The engines' context defaults to what the model takes (it was 2048 whatever the model, and vLLM refused a
     32-position model with a 30-line traceback); a response as long as the context leaves no room for a prompt."""
