@@ -86,6 +86,9 @@ def wrap(model, args, task_type: str = "CAUSAL_LM"):
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules=targets, task_type=task_type,
                         exclude_modules=["score", "classifier"] if task_type == "SEQ_CLS" else None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    head_name = next((name for name, m in model.named_modules() if m is head), None) if tied else None
     try:
         model = get_peft_model(model, config)
     except ValueError as e:
@@ -100,6 +103,11 @@ def wrap(model, args, task_type: str = "CAUSAL_LM"):
     if other:  # an embedding's adapter lives in lora_embedding_A/B, which merging and the weight sync do not read
         raise UserError(f"--target_modules {args.target_modules}: {','.join(other)} is not a linear layer, and LoRA "
                         f"here adapts linear layers only; leave it out.")
+    if head_name and isinstance(model.get_base_model().get_submodule(head_name), LoraLayer):
+        # merged, the head would differ from the embedding its config still ties it to: vLLM keeps one of the two
+        raise UserError(f"--target_modules {args.target_modules}: {head_name} shares its weight with the input "
+                        f"embedding (tie_word_embeddings), and an adapter on it would make the two differ, which "
+                        f"the saved model and vLLM cannot hold; leave {head_name.rsplit('.', 1)[-1]} out.")
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter's full size
     trained = sum(numel(p) for p in model.parameters() if p.requires_grad)
     total = sum(numel(p) for p in model.parameters())

@@ -102,6 +102,21 @@ def test_target_modules_the_model_lacks_are_named_with_the_ones_it_has(model_dir
     assert lora.wrap(model, lora_args(lora_rank=0)) is model
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft's, about the refused head
+def test_an_adapter_on_a_head_tied_to_the_embedding_is_refused(model_dir):
+    """Merged, the head would differ from the embedding its config still ties it to: transformers unties them on
+    load with a warning, vLLM keeps one of the two (and the weight sync overwrote the input embedding with the
+    head). An untied head takes an adapter like any linear layer."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if model.config.tie_word_embeddings:
+        with pytest.raises(UserError, match=r"--target_modules q_proj,lm_head: lm_head shares its weight with the "
+                                            r"input embedding .* leave lm_head out\."):
+            lora.wrap(model, lora_args(target_modules="q_proj,lm_head"))
+    else:
+        wrapped = lora.wrap(model, lora_args(target_modules="q_proj,lm_head"))
+        assert any(name.endswith("lm_head.lora_A.default.weight") for name, _ in wrapped.named_parameters())
+
+
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft's, about the refused embedding
 def test_the_weight_sync_sends_each_adapted_layer_merged_with_the_linear_layers_beside_it(model_dir):
     """vLLM fuses q/k/v and gate/up into one weight, rebuilt from what a sync sends: adapters on q_proj and v_proj
