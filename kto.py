@@ -31,6 +31,7 @@ Implementation details, where they happen below:
 import contextlib
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -184,15 +185,26 @@ def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, to
 
 
 def collate(samples, tokenizer, max_len, packing: bool, dev, partners=None) -> dict:
-    """The samples, then each prompt with the next sample's response (KTO's mismatched pairs; `partners` gives the
+    """The samples, then each prompt with another sample's response (KTO's mismatched pairs; `partners` gives the
     responses instead), padded into one (2 * batch, seq) batch or packed into one (1, total) row: one forward pass
     scores both."""
-    partners = partners or samples[1:] + samples[:1]
+    partners = partners or mismatched_partners(samples)
     mismatched = [data.mismatched_pair(tokenizer, sample, other, max_len) for sample, other in zip(samples, partners)]
     sequences = samples + mismatched
     batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
     batch["labels"] = torch.tensor([s["label"] for s in samples])  # (batch,)
     return {k: v.to(dev) for k, v in batch.items()}
+
+
+def mismatched_partners(samples: list[dict]) -> list[dict]:
+    """Whose response each sample's prompt is paired with: the samples rotated by the smallest shift that pairs no
+    prompt with a response to the same prompt (else by the one that pairs the fewest). A response to the same prompt,
+    such as a preference pair's other side on the next line, is no mismatched pair: its reward would pull the KL
+    estimate z0 towards that of the matched samples."""
+    n = len(samples)
+    same = lambda k: sum(samples[i]["prompt_text"] == samples[(i + k) % n]["prompt_text"] for i in range(n))
+    shift = min(range(1, n), key=lambda k: (same(k), k)) if n > 1 else 0
+    return samples[shift:] + samples[:shift]
 
 
 @torch.no_grad()
@@ -201,12 +213,17 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
     engine.eval()
     names = ("loss", "correct", "chosen_rewards", "chosen", "rejected_rewards", "rejected")  # sums over samples
     stats = torch.zeros(len(names), device=device())
+    # in a fixed shuffled order, the same on every rank: a file's consecutive lines often share a prompt
+    samples = random.Random(args.seed).sample(samples, len(samples))
     mine = samples[rank::world_size]
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:2]  # every rank runs the same number of steps
         counts = bool(mine[i: i + args.micro_train_batch_size])
-        # a lone sample would be its own "next sample": z0 would be its own reward. Another eval sample's response
-        partners = [samples[1] if chunk[0] is samples[0] else samples[0]] if len(chunk) == 1 else None
+        # a lone sample would be its own partner: z0 would be its own reward. Another eval sample's response,
+        # to another prompt where there is one
+        others = [s for s in samples if s is not chunk[0]]
+        partners = [next((s for s in others if s["prompt_text"] != chunk[0]["prompt_text"]), others[0])] \
+            if len(chunk) == 1 else None
         batch = collate(chunk, tokenizer, args.max_len, args.packing_samples, device(), partners)
         (logps, kl_logps) = forward_logps(engine, batch)
         ref_logps, ref_kl_logps = ref_forward_logps(engine, ref_engine, batch)

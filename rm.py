@@ -24,7 +24,7 @@ Implementation details, where they happen below:
     better must be separated by more;
   - a pair whose chosen and rejected texts are identical carries no preference: it is skipped, with a warning;
   - after training, the mean and std of the rewards on the eval set (without one, on every n-th training pair,
-    ~1000 of them) are stored in config.json as reward_mean and reward_std, so that consumers can normalise rewards.
+    up to 1000 of them) are stored in config.json as reward_mean and reward_std, for consumers to normalise rewards.
 
 Load the result without this project's code:
     model = AutoModelForSequenceClassification.from_pretrained(out_dir)   # reward = model(**batch).logits[:, 0]
@@ -303,8 +303,8 @@ def main(args: Args):
     bar.close()
 
     summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
-    # The reward statistics consumers normalise with come from the eval set, or ~1000 training pairs without one.
-    stats_samples = eval_samples or train_samples[:: max(1, len(train_samples) // 1000)]
+    # The reward statistics consumers normalise with: the eval set, or up to 1000 evenly spaced training pairs.
+    stats_samples = eval_samples or train_samples[:: math.ceil(len(train_samples) / 1000)]
     final = evaluate(engine, stats_samples, args, tokenizer, rank, world_size)
     if eval_samples:
         summary.update(final)

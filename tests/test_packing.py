@@ -261,6 +261,31 @@ def test_kto_evaluation_never_pairs_a_lone_sample_with_its_own_response(model_di
             assert not torch.equal(own, mismatched)
 
 
+def test_kto_mismatched_pairs_never_pair_a_prompt_with_a_response_to_it(model_dir, tokenizer, one_rank_group,
+                                                                         monkeypatch):
+    """docs/kto.md builds KTO data from preference pairs, chosen then rejected on consecutive lines. Evaluated in
+    file order, each prompt was paired with the next line's response: half the "mismatched" pairs were the other
+    side of the same prompt, and z0 (so eval/loss) moved with the file's order. Now no pair shares a prompt where
+    the micro-batch holds another."""
+    rows = [{"prompt": r["prompt"], "response": r[side], "label": side == "chosen"}
+            for r in pair_rows(8) for side in ("chosen", "rejected")]
+    samples = data.build_kto_samples(rows, tokenizer, "kto.jsonl", "prompt", "response", "label", MAX_LEN,
+                                     apply_chat_template=True, log=lambda m: None)
+    assert samples[0]["prompt_text"] == samples[1]["prompt_text"], "the layout's neighbours differ: no test"
+    partners, seen = kto.mismatched_partners, []
+    monkeypatch.setattr(kto, "mismatched_partners", lambda chunk: seen.append((chunk, partners(chunk))) or seen[-1][1])
+    policy, reference = policy_and_reference(model_dir)
+    args = kto.Args(pretrain=model_dir, dataset="unused", micro_train_batch_size=4, max_len=MAX_LEN)
+    kto.evaluate(policy, reference, samples, args, tokenizer, rank=0, world_size=1)
+    assert len(seen) == 4
+    for chunk, others in seen:
+        assert sorted(map(id, others)) == sorted(map(id, chunk)), "each response once"
+        assert all(s["prompt_text"] != o["prompt_text"] for s, o in zip(chunk, others))
+    assert partners(samples[:4])[0] is samples[2], "not the next pair's sample: the smallest shift that works"
+    one_prompt = samples[:2]  # no other prompt to pair with: the rotation by one, as before
+    assert partners(one_prompt) == [samples[1], samples[0]]
+
+
 # ------------------------------------------------------------------------------------- families that cannot pack
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256, "pad_token_id": 0,
