@@ -465,13 +465,14 @@ def reward_model_batch(args: Args, tokenizer, prompts: list, responses: list[str
     return pad_collate(rows, tokenizer.pad_token_id, keys=("input_ids",))
 
 
-def score(args: Args, tokenizer, reward_models: list, reward_fn, prompts: list, responses: list[str],
+def score(args: Args, roles: dict, reward_fn, prompts: list, responses: list[str],
           labels: list) -> tuple[torch.Tensor, dict]:
     """The reward of every response (batch,): the weighted sum (rewards.combine_rewards) of each reward model's
-    score, the rule function's and the remote RM's, clipped to --reward_clip; and each source's mean."""
-    micro = micro_rollout(args)
-    batch = reward_model_batch(args, tokenizer, prompts, responses) if reward_models else None
-    pending = [group.call_sharded("scores", shard(batch, len(group), micro)) for group in reward_models]  # all at once
+    score, the rule function's and the remote RM's, clipped to --reward_clip; and each source's mean. Each reward
+    model reads the pairs rendered with its own tokenizer's chat template, as rm.py trained it."""
+    micro, reward_models = micro_rollout(args), roles["rewards"]
+    pending = [group.call_sharded("scores", shard(reward_model_batch(args, group.tokenizer, prompts, responses),
+                                                  len(group), micro)) for group in reward_models]  # all at once
     sources, metrics = [], {}
     for i, parts in enumerate(pending):
         sources.append(gather(reward_models[i], parts, len(responses)))
@@ -504,8 +505,7 @@ def score_rollouts(args: Args, roles: dict, prompts: list[dict], samples: list[l
     else:
         responses = [decode_response(tokenizer, p["ids"], s["token_ids"]) for p, group in zip(prompts, samples)
                      for s in group]
-        scores, metrics = score(args, tokenizer, roles["rewards"], reward_fn,
-                                [p["prompt"] for p in prompts for _ in range(n)], responses,
+        scores, metrics = score(args, roles, reward_fn, [p["prompt"] for p in prompts for _ in range(n)], responses,
                                 [p["label"] for p in prompts for _ in range(n)])
     if args.overlong_buffer_len:  # by the tokens --generate_max_len bounds: a multi-turn episode's, the env's too
         lengths = torch.tensor([len(s["token_ids"]) for group in samples for s in group])
@@ -1098,6 +1098,7 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
             shared or make_placement_group(args.reward_num_workers, cpus, f"reward model {i + 1}"))  # one name each
         roles["rewards"].append(start(RewardModelWorker, pg, shares["reward model"], args=(args, path),
                                       role=f"reward model {i + 1}"))
+        roles["rewards"][-1].tokenizer = load_tokenizer(path, "--reward_pretrain")  # the driver renders its pairs
     wait_for_engines(engines, warm_up)
     groups = [roles[name] for name in ("actor", "ref", "critic") if name in roles] + roles["rewards"]
     for group in groups:
@@ -1133,12 +1134,13 @@ def check_colocation(args: Args, shares: dict[str, float]) -> None:
 
 
 def check_tokenizers(args: Args, tokenizer) -> None:
-    """Every model reads the actor's token ids, so every tokenizer must be the actor's."""
+    """Every model reads the actor's vocabulary, so every tokenizer must be the actor's; a reward model, which reads
+    pairs rendered with its own chat template, needs one with --apply_chat_template."""
     for flag, path in [("--reward_pretrain", p) for p in args.reward_pretrain or []] + [
             ("--critic_pretrain", args.critic_pretrain)]:
         if path:
             rewards.check_same_tokenizer(tokenizer, load_tokenizer(path, flag), f"--pretrain {args.pretrain}",
-                                         f"{flag} {path}")
+                                         f"{flag} {path}", args.apply_chat_template and flag == "--reward_pretrain")
 
 
 # ---------------------------------------------------------------------------------------------- driver: the run
@@ -1268,8 +1270,8 @@ def evaluate(args: Args, roles: dict, tokenizer, reward_fn, eval_prompts: list[d
     if args.env_fn:
         total, parts = episode_scores(args, samples)
     else:
-        total, parts = score(args, tokenizer, roles["rewards"], reward_fn, [p["prompt"] for p in eval_prompts],
-                             texts, [p["label"] for p in eval_prompts])
+        total, parts = score(args, roles, reward_fn, [p["prompt"] for p in eval_prompts], texts,
+                             [p["label"] for p in eval_prompts])
     with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w") as f:
         for p, text, reward in zip(eval_prompts, texts, total.tolist()):
             f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")
@@ -1284,8 +1286,7 @@ def resume_settings(args: Args) -> dict:
     """What fixes the prompt order, the update's batches and the ZeRO partitioning, and what makes it this run (its
     models, prompts and schedule): a resumed run must match it."""
     names = ["seed", "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "actor_num_workers"]
-    run = ["pretrain", "reward_pretrain", "prompt_data", "actor_learning_rate", "warmup_ratio", "min_lr_ratio",
-           "max_steps"]
+    run = ["pretrain", "reward_pretrain", "prompt_data", "actor_learning_rate", "warmup_ratio", "min_lr_ratio"]
     roles = ["actor", "critic"] if args.advantage_estimator == "gae" else ["actor"]
     if "critic" in roles:  # the critic's ZeRO partitioning
         names.append("critic_num_workers")
@@ -1306,7 +1307,12 @@ def check_resumable(args: Args) -> None:
     state_file = os.path.join(checkpoint_dir(args), "driver_state.json")
     if os.path.exists(state_file):
         with open(state_file) as f:
-            check_settings(json.load(f).get("settings"), resume_settings(args), checkpoint_dir(args))
+            state = json.load(f)
+        check_settings(state.get("settings"), resume_settings(args), checkpoint_dir(args))
+        if state["step"] > args.max_steps:  # no step would run, and the model saved would be the checkpoint's
+            raise UserError(f"{checkpoint_dir(args)} holds a run at step {state['step']}, past this run's end at "
+                            f"--max_steps {args.max_steps}; raise --max_steps to {state['step']} or more to resume it, "
+                            f"or give another --output_dir (or --ckpt_dir) to start anew.")
 
 
 def save_checkpoint(args: Args, roles: dict, step: int, kl_ctl) -> None:

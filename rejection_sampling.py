@@ -314,11 +314,12 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
             [[sample["finish_reason"] == "length" for sample in samples] for samples in per_prompt], sampling_seconds)
 
 
-def score(args: Args, tokenizer, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str):
+def score(args: Args, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str):
     """The reward of every response, (prompts, n), from the weighted sum of all reward sources, scored in batches.
 
-    Each reward model reads prompt + response rendered by the policy's `tokenizer` (its chat template, its input
-    template), as ppo_ray.py's reward models do: main has checked that the vocabularies and EOS are the same."""
+    Each reward model reads prompt + response rendered by its own tokenizer (its chat template; the same
+    --input_template), as rm.py trained it and as ppo_ray.py's reward models read them: main has checked that the
+    vocabularies and EOS are the policy's."""
     n = args.n_samples_per_prompt
     flat_prompts = [p for p in prompts for _ in range(n)]
     flat_labels = [label for label in labels for _ in range(n)]
@@ -331,14 +332,15 @@ def score(args: Args, tokenizer, prompts: list, labels: list, responses: list[li
         batch = slice(start, start + args.reward_batch_size)
         p, r, labels_ = flat_prompts[batch], flat_responses[batch], flat_labels[batch]
         # A prompt + response fills at most the engine's context; its EOS may add one token.
-        sources = [rewards.reward_model_scores(model, tokenizer, p, r, args.apply_chat_template, args.input_template,
-                                               args.reward_batch_size, args.max_model_len + 1)
-                   for model, _ in models]
+        # each reward model reads the pair rendered with its own tokenizer's chat template, as rm.py trained it
+        sources = [rewards.reward_model_scores(model, rm_tokenizer, p, r, args.apply_chat_template,
+                                               args.input_template, args.reward_batch_size, args.max_model_len + 1)
+                   for model, rm_tokenizer in models]
         if reward_fn:
             sources.append(rewards.call_reward_fn(reward_fn, p, r, labels_))
         if args.remote_rm_url:
             sources.append(rewards.remote_reward(args.remote_rm_url, p, r, labels_))
-        total += rewards.combine_rewards(sources, weights).tolist()
+        total += rewards.combine_rewards(sources, weights, torch.float64).tolist()
         bar.update(len(r))
     bar.close()
     del models
@@ -427,7 +429,8 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.pretrain)
     for path in args.reward_pretrain:
         rewards.check_same_tokenizer(tokenizer, load_tokenizer(path, "--reward_pretrain"),
-                                     f"--pretrain {args.pretrain}", f"--reward_pretrain {path}")
+                                     f"--pretrain {args.pretrain}", f"--reward_pretrain {path}",
+                                     args.apply_chat_template)
     reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
     rows = data.load_records(args.dataset, args.dataset_split)[: args.max_samples or None]
     if not rows:
@@ -478,13 +481,17 @@ def main(args: Args):
         if len(responses) != len(prompts) or any(len(texts) != n for texts in responses + truncated):
             raise UserError(f"{files['generations']} does not hold {n} responses for each of the {len(prompts)} "
                             f"prompts; it belongs to another run: use another --output_dir.")
+        if [row.get("prompt") for row in generations] != prompts or [row.get("label") for row in generations] != labels:
+            raise UserError(f"{files['generations']} holds responses to other prompts or labels than this "
+                            f"iteration's from {args.dataset} (was the dataset changed?); it belongs to another run: "
+                            f"use another --output_dir.")
 
         # ---- score them
         if os.path.exists(files["scored"]):
             scores = [row["rewards"] for row in data.load_records(files["scored"])]
         else:
             start = time.time()
-            scores = score(args, tokenizer, prompts, labels, responses, reward_fn, f"iteration {k}: score")
+            scores = score(args, prompts, labels, responses, reward_fn, f"iteration {k}: score")
             scored = zip(prompts, labels, responses, scores, truncated)
             write_jsonl(files["scored"], [{"prompt": p, "label": label, "responses": texts, "rewards": s,
                                            "truncated": c} for p, label, texts, s, c in scored])
@@ -502,9 +509,13 @@ def main(args: Args):
                             f"all samples tie or all were cut at the length limit{left_out}; the scored samples are "
                             f"in {files['scored']}.")
         write_jsonl(files[args.mode], records)
+        # best and worst among the responses selection may pick: whole ones, unless --keep_truncated
+        selectable = [[r for r, c in zip(row, cuts) if args.keep_truncated or not c]
+                      for row, cuts in zip(scores, truncated)]
+        selectable = [row for row in selectable if row]  # not empty: a record was selected from one of them
         metrics = {"rewards/mean": sum(map(sum, scores)) / (len(scores) * n),
-                   "rewards/best_mean": sum(map(max, scores)) / len(scores),
-                   "rewards/worst_mean": sum(map(min, scores)) / len(scores),
+                   "rewards/best_mean": sum(map(max, selectable)) / len(selectable),
+                   "rewards/worst_mean": sum(map(min, selectable)) / len(selectable),
                    "data/records": len(records), "data/prompts_skipped": skipped,
                    "data/truncated_share": cut / (len(prompts) * n)}
         summary = f"wrote {len(records)} records to {files[args.mode]} ({skipped} prompts skipped{left_out})"

@@ -221,8 +221,9 @@ def main(args: Args):
     settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
                 "the number of ranks": launcher_world_size, "--zero_stage": checkpoint.zero_layout(args.zero_stage),
                 **lora.settings(args),
-                **checkpoint.run_settings(__file__, args, "pretrain", "dataset", "learning_rate",
-                                          "warmup_ratio", "min_lr_ratio")}
+                **checkpoint.run_settings(__file__, args, "pretrain", "dataset", "learning_rate", "warmup_ratio",
+                                          "min_lr_ratio", "input_key", "chosen_key", "rejected_key",
+                                          "apply_chat_template", "input_template", "max_len", "margin_key")}
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding
@@ -243,10 +244,10 @@ def main(args: Args):
                              f"lower --train_batch_size below {args.train_batch_size}.")
     data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "pairs", log)
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
+    checkpoint.check_not_past_end(ckpt_dir, total_steps)
 
     rank, world_size, local_rank = init_distributed()
     settings["the number of ranks"] = world_size  # as formed: an MPI launch may set no WORLD_SIZE
-    settings["a total of"] = f"{total_steps} steps"  # --max_steps, or --max_epochs passes over the data
     torch.manual_seed(args.seed)
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)

@@ -59,14 +59,30 @@ def check_causal_lm(path: str, flag: str = "--pretrain") -> None:
                         f"--reward_pretrain).")
 
 
+def config_file(path: str) -> str | None:
+    """The config.json of the model `path` names: in its folder, or for a hub name the copy in the local hub cache
+    (never downloaded here); None when there is neither, and the checks that read it leave the model to
+    transformers."""
+    local = os.path.join(os.path.expanduser(path), "config.json")
+    if os.path.isfile(local):
+        return local
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(path, "config.json")
+    except ValueError:  # not a valid hub name either (huggingface_hub's HFValidationError)
+        return None
+    return cached if isinstance(cached, str) else None
+
+
 def check_decoder_only(path: str, flag: str = "--pretrain") -> dict | None:
     """Refuse, from its config.json, a model that is not a decoder-only transformer (T5, BERT, DeBERTa, ...): a
     policy must generate, and a reward model's or critic's score is read at a sequence's last token, which only a
     causal model's last hidden state summarises. Returns the config, None for a hub name or remote code."""
-    config_file = os.path.join(os.path.expanduser(path), "config.json")
-    if not os.path.isfile(config_file):
-        return None  # a hub name: transformers reports its own errors
-    with open(config_file) as f:
+    file = config_file(path)
+    if file is None:
+        return None  # a hub name not in the cache: transformers reports its own errors
+    with open(file) as f:
         config = json.load(f)
     if {"AutoModelForCausalLM", "AutoModelForSequenceClassification"} & set(config.get("auto_map") or {}):
         return None  # the model's own code (trust_remote_code) says how it loads
@@ -92,10 +108,10 @@ PACKING_IGNORED = ("opt", "falcon", "bloom", "mpt", "xglm", "biogpt", "minimax",
 def check_packing(path: str, flag: str = "--pretrain") -> None:
     """Refuse --packing_samples for a model whose samples would attend to each other in a packed row, silently
     mixing every packed loss (PACKING_IGNORED), from its config.json."""
-    config_file = os.path.join(os.path.expanduser(path), "config.json")
-    if not os.path.isfile(config_file):
+    file = config_file(path)
+    if file is None:
         return
-    with open(config_file) as f:
+    with open(file) as f:
         model_type = json.load(f).get("model_type")
     if model_type in PACKING_IGNORED:
         raise UserError(f"{flag} {path} is a {model_type!r} model, whose attention does not restart at each "
@@ -126,13 +142,13 @@ STRETCHED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "de
 
 
 def model_max_len(path: str) -> int | None:
-    """The longest sequence the local model folder `path` takes, derived from its config.json as vLLM derives it
+    """The longest sequence the model `path` takes, derived from its config.json (config_file) as vLLM derives it
     (the smallest position key, stretched by a RoPE scaling factor, capped by the tokenizer's model_max_length), or
-    None when the folder is not local or its config names no length."""
-    folder = os.path.expanduser(path)
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    None when there is no config.json here or it names no length."""
+    file = config_file(path)
+    if file is None:
         return None
-    with open(os.path.join(folder, "config.json")) as f:
+    with open(file) as f:
         config = json.load(f)
     config = config.get("text_config") or config  # multimodal configs keep the language model's apart
     lengths = [config[k] for k in POSITION_KEYS if isinstance(config.get(k), int) and config[k] > 0]
@@ -143,7 +159,7 @@ def model_max_len(path: str) -> int | None:
     if (rope.get("rope_type") or rope.get("type")) in STRETCHED_ROPE_TYPES or not isinstance(factor, (int, float)):
         factor = 1
     limit = int(min(lengths) * factor)
-    tokenizer_config = os.path.join(folder, "tokenizer_config.json")
+    tokenizer_config = os.path.join(os.path.dirname(file), "tokenizer_config.json")  # (a cached snapshot's too)
     if os.path.isfile(tokenizer_config):
         with open(tokenizer_config) as f:
             tokenizer_max = json.load(f).get("model_max_length")

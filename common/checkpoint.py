@@ -231,6 +231,19 @@ def run_settings(script: str, args, *flags: str) -> dict:
     return {"the script": os.path.basename(script), **{f"--{flag}": getattr(args, flag) for flag in flags}}
 
 
+def check_not_past_end(ckpt_dir: str, total_steps: int) -> None:
+    """Refuse to resume a checkpoint saved after more steps than this run has (--max_steps lowered): no step would
+    run, and the model saved as this run's would be the checkpoint's. Raising it resumes and trains on."""
+    latest = os.path.join(ckpt_dir, LATEST)
+    if os.path.exists(latest):
+        with open(latest) as f:
+            step = int(f.read().strip().removeprefix("step_"))
+        if step > total_steps:
+            raise UserError(f"{ckpt_dir} holds a run at step {step}, past this run's end at step {total_steps}; raise "
+                            f"--max_steps to {step} or more to resume it, or give another --output_dir (or --ckpt_dir) "
+                            f"to start anew.")
+
+
 def zero_layout(stage: int) -> str:
     """The ZeRO stages whose checkpoints load into each other, named for check_settings: 1 and 2 share one layout;
     0 and 3 have their own (DeepSpeed fails deep inside load_checkpoint across them)."""

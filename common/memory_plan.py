@@ -19,7 +19,7 @@ as they need it free when they start and wake.
 import json
 import os
 
-from common.args import UserError
+from common.args import UserError, config_file
 
 GiB = 2**30
 # What a vLLM engine keeps besides weights and KV cache: activations of a batch, CUDA graphs, NCCL buffers (rough).
@@ -36,9 +36,9 @@ ACTIVATION_BYTES_PER_HIDDEN, ACTIVATION_BYTES_PER_INTERMEDIATE = 18, 8
 
 
 def read_config(path: str, flag: str) -> dict:
-    """A model folder's config.json (the pre-flight loads no weights)."""
-    file = os.path.join(os.path.expanduser(path), "config.json")
-    if not os.path.isfile(file):
+    """A model's config.json, from its folder or the local hub cache (the pre-flight loads no weights)."""
+    file = config_file(path)
+    if file is None:
         raise UserError(f"{flag} {path} has no config.json here; the memory plan needs the model folder locally.")
     with open(file) as f:
         return json.load(f)

@@ -10,7 +10,7 @@ functions, so that a Ray worker can import this module and call them:
     rule = call_reward_fn(fn, prompts, responses, labels)
     model, tokenizer = load_reward_model("out/rm")
     check_same_tokenizer(policy_tokenizer, tokenizer, "--pretrain out/sft", "--reward_pretrain out/rm")
-    learned = reward_model_scores(model, tokenizer, prompts, responses, apply_chat_template=True)
+    learned = reward_model_scores(model, tokenizer, prompts, responses, apply_chat_template=True)  # its own template
     remote = remote_reward("http://127.0.0.1:5000/reward", prompts, responses, labels)
     rewards = combine_rewards([learned, rule, remote], [1.0, 0.5, 1.0])
 """
@@ -132,12 +132,18 @@ def load_reward_model(path: str, flag: str = "--reward_pretrain", device: str | 
     return model, tokenizer
 
 
-def check_same_tokenizer(policy_tokenizer, reward_tokenizer, policy_name: str, reward_name: str) -> None:
-    """A UserError unless the reward model's tokenizer is the policy's (same vocabulary, same EOS)."""
+def check_same_tokenizer(policy_tokenizer, reward_tokenizer, policy_name: str, reward_name: str,
+                         apply_chat_template: bool = False) -> None:
+    """A UserError unless the reward model's tokenizer is the policy's (same vocabulary, same EOS), and, with
+    --apply_chat_template, has a chat template of its own: each reward model reads chats rendered with its own."""
     if (policy_tokenizer.get_vocab() != reward_tokenizer.get_vocab()
             or policy_tokenizer.eos_token != reward_tokenizer.eos_token):
         raise UserError(f"{reward_name} has a different tokenizer from the policy {policy_name}; use a reward model "
                         f"trained (rm.py) from the policy's base model, so both read the same tokens.")
+    if apply_chat_template and not reward_tokenizer.chat_template:
+        raise UserError(f"{reward_name} has no chat template, so rm.py did not train it on chats, and with "
+                        f"--apply_chat_template it would score text in a format it never saw; give a reward model "
+                        f"trained with --apply_chat_template, or leave that flag out.")
 
 
 def reward_model_normalizes(model) -> bool:
@@ -221,12 +227,13 @@ def reward_weights(weights: list[float] | None, reward_pretrain: list[str] | Non
     return list(weights) if weights else [1.0] * num_sources
 
 
-def combine_rewards(scores: list, weights: list[float]) -> torch.Tensor:
-    """The weighted sum over sources for each response, sum_k weights[k] * scores[k][i], in float32; `scores` holds
-    one sequence (list or tensor) of rewards per source."""
+def combine_rewards(scores: list, weights: list[float], dtype: torch.dtype = torch.float) -> torch.Tensor:
+    """The weighted sum over sources for each response, sum_k weights[k] * scores[k][i], in `dtype`; `scores` holds
+    one sequence (list or tensor) of rewards per source. Rejection sampling asks for float64: in float32 a rule's 0.7
+    became 0.69999999 and fell below --min_reward 0.7."""
     if len(scores) != len(weights) or not scores:
         raise ValueError(f"need one weight per reward source, got {len(weights)} weights for {len(scores)} sources")
-    total = torch.zeros(len(scores[0]))
+    total = torch.zeros(len(scores[0]), dtype=dtype)
     for weight, source in zip(weights, scores):
-        total += weight * torch.as_tensor(source, dtype=torch.float)
+        total += weight * torch.as_tensor(source, dtype=dtype)
     return total

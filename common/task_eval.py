@@ -29,6 +29,7 @@ def greedy_responses(model_dir: str, prompts: list, apply_chat_template: bool = 
                            [tokenizer.eos_token_id] + generation_stop_ids(tokenizer, apply_chat_template))
     greedy = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=stops)
+    model.generation_config = GenerationConfig()  # generate fills what `greedy` leaves unset from the model's own
     texts = [render_prompt(tokenizer, p, apply_chat_template, None) for p in prompts]
     responses = []
     for i in range(0, len(texts), batch_size):

@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, metrics, run_script
 
 from common.args import parse_args, run_main
+from common.data import load_records
 
 TRAINERS = ["sft", "rm", "dpo", "kto"]
 SCRIPTS = TRAINERS + ["ppo_ray", "rejection_sampling"]
@@ -325,15 +326,35 @@ def test_a_trainer_refuses_to_resume_another_runs_checkpoint(script, flag, saved
 
 
 @pytest.mark.slow
-def test_a_trainer_refuses_to_resume_with_another_total_of_steps(tiny_model, task, tmp_path):
-    """--max_steps sets the LR schedule's length: resuming with another rebuilt the schedule under the saved step
-    count, and the rate jumped. Checked once the data is read, when the total is known."""
+def test_a_trainer_refuses_to_resume_a_run_past_its_own_end(tiny_model, task, tmp_path):
+    """With --max_steps lowered below the checkpoint's step no step ran, and the checkpoint's model was saved as
+    this run's. Raising --max_steps resumes and trains on. Checked once the data is read, before the model loads."""
     out = str(tmp_path / "out")
     run_script("sft.py", command("sft", tiny_model, task, out, "--max_steps", "2", "--save_steps", "2"))
-    result = run_script("sft.py", command("sft", tiny_model, task, out, "--max_steps", "3", "--save_steps", "2"),
-                        check=False)
-    assert result.returncode == 2, result.stderr
-    assert "holds a run made with a total of 2 steps, not 3 steps; rerun with a total of 2 steps" in result.stderr
+    model = open(os.path.join(out, "model.safetensors"), "rb").read()
+    result = run_script("sft.py", command("sft", tiny_model, task, out, "--max_steps", "1"), check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "holds a run at step 2, past this run's end at step 1; raise --max_steps to 2 or more" in result.stderr
+    assert open(os.path.join(out, "model.safetensors"), "rb").read() == model
+    run_script("sft.py", command("sft", tiny_model, task, out, "--max_steps", "3"))
+    assert [m["step"] for m in metrics(out) if "train/loss" in m][-1] == 3
+
+
+def test_rejection_sampling_refuses_to_resume_samples_of_other_prompts(tiny_model, task, tmp_path, capsys):
+    """A resumed iteration reused its generations.jsonl after checking only the counts: with the dataset changed at
+    the same path, the old responses were scored against the new labels and trained after the new prompts."""
+    out = tmp_path / "out"
+    first = load_records(task["prompts_train"])[:2]
+    run = out  # --iterations 0: the one round writes into --output_dir itself
+    run.mkdir()
+    other = [{"prompt": row["prompt"] + " (changed)", "label": row.get("label"), "responses": ["1", "2"],
+              "truncated": [False, False]} for row in first]
+    (run / "generations.jsonl").write_text("".join(json.dumps(row) + "\n" for row in other))
+    argv = command("rejection_sampling", tiny_model, task, str(out), "--max_samples", "2", "--n_samples_per_prompt",
+                   "2")
+    code, stderr = run_in_process("rejection_sampling", argv, capsys)
+    assert code == 2 and stderr.count("error: ") == 1 and "Traceback" not in stderr, stderr
+    assert "holds responses to other prompts or labels than this iteration's" in stderr, stderr
 
 
 def test_rejection_sampling_defaults_its_context_to_the_models(short_model, task, tmp_path, capsys):

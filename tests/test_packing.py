@@ -323,6 +323,26 @@ def test_the_families_that_pack_keep_a_packed_rows_sequences_apart(model_type):
     assert packed_drift(model_type) < 1e-5
 
 
+def test_a_hub_name_in_the_local_cache_is_checked_as_its_folder_would_be(tmp_path, monkeypatch):
+    """`--pretrain facebook/opt-125m` (a hub name, its files in the local hub cache) skipped every config check:
+    packing an OPT model was accepted, and its packed samples attended to each other."""
+    from huggingface_hub import constants
+
+    from common.args import UserError, check_packing, config_file, model_max_len
+
+    snapshot = tmp_path / "hub" / "models--someone--tiny-opt" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "opt", "max_position_embeddings": 2048}))
+    (tmp_path / "hub" / "models--someone--tiny-opt" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--tiny-opt" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert config_file("someone/tiny-opt") == str(snapshot / "config.json")
+    with pytest.raises(UserError, match=r"--pretrain someone/tiny-opt is a 'opt' model"):
+        check_packing("someone/tiny-opt")
+    assert model_max_len("someone/tiny-opt") == 2048
+    assert config_file("someone/not-cached") is None and config_file("not a / valid name") is None
+
+
 @pytest.mark.parametrize("script", ["sft", "rm", "dpo", "kto", "ppo_ray"])
 def test_packing_a_family_that_cannot_is_refused_before_anything_loads(script, tmp_path):
     """An OPT model with --packing_samples: one sentence, before any model loads (the config alone tells)."""

@@ -196,7 +196,7 @@ def test_reward_sources_are_weighted_in_the_order_of_the_flags():
 
     prompts, responses, labels = ["What is 1 + 2?"] * 3, ["3", "4", "3"], ["3", "3", "3"]
     args = ppo_ray.Args(reward_fn=REWARD_FN, reward_weights=[0.5], reward_clip=10.0)
-    total, parts = ppo_ray.score(args, None, [], reward_fn, prompts, responses, labels)
+    total, parts = ppo_ray.score(args, {"rewards": []}, reward_fn, prompts, responses, labels)
     assert total.tolist() == [0.5, 0.0, 0.5] and abs(float(parts["rewards/rule"]) - 2 / 3) < 1e-6
 
 

@@ -129,9 +129,10 @@ def test_the_reward_is_written_into_the_prompt_once_spelled():
     assert chat[3]["content"] == "What is 2+3?"  # the caller's prompt is left as it was
 
 
-def test_a_reward_model_reads_what_the_policy_s_template_renders(tiny_model, task, tmp_path):
-    """As in ppo_ray.py, whose reward models score the policy's token ids: a reward model saved with another chat
-    template (same vocabulary and EOS, which main checks) reads prompt + response as the policy renders them."""
+def test_a_reward_model_reads_what_its_own_template_renders(tiny_model, task, tmp_path):
+    """As rm.py trained it: a reward model saved with another chat template than the policy's (same vocabulary and
+    EOS, which main checks) reads prompt + response rendered with its own template, not the policy's. Scores are
+    summed in float64: a rule's 0.7 stays 0.7, which --min_reward 0.7 keeps."""
     from rejection_sampling import score
 
     rm_dir = write_reward_model(tiny_model, str(tmp_path / "rm"), tokenizer=build_tokenizer(chat_format="chatml"))
@@ -140,13 +141,16 @@ def test_a_reward_model_reads_what_the_policy_s_template_renders(tiny_model, tas
                                     "--n_samples_per_prompt", "2"))
     args.reward_fn = None
     prompts, labels, responses = ["What is 2+3?", "Add 4 and 4."], ["5", "8"], [["5", "6"], ["8", "eight"]]
-    scores = score(args, policy_tokenizer, prompts, labels, responses, None, "score")
+    scores = score(args, prompts, labels, responses, None, "score")
     model, rm_tokenizer = load_reward_model(rm_dir)
     flat = [r for texts in responses for r in texts]
-    expected = reward_model_scores(model, policy_tokenizer, [p for p in prompts for _ in range(2)], flat, True)
-    other = reward_model_scores(model, rm_tokenizer, [p for p in prompts for _ in range(2)], flat, True)
+    expected = reward_model_scores(model, rm_tokenizer, [p for p in prompts for _ in range(2)], flat, True)
+    policys = reward_model_scores(model, policy_tokenizer, [p for p in prompts for _ in range(2)], flat, True)
     assert [s for row in scores for s in row] == pytest.approx(expected, abs=1e-5)
-    assert max(abs(a - b) for a, b in zip(expected, other)) > 1e-3  # the templates do read differently
+    assert max(abs(a - b) for a, b in zip(expected, policys)) > 1e-3  # the templates do read differently
+    args.reward_pretrain, args.reward_weights, args.reward_fn = [], None, "rule.py:reward"
+    rule = lambda prompts, responses, labels: [0.7] * len(responses)
+    assert score(args, prompts, labels, responses, rule, "score") == [[0.7, 0.7], [0.7, 0.7]]
 
 
 def test_training_runs_as_a_user_would_type_it():

@@ -92,8 +92,7 @@ def rejection_sampling_sequence(path, monkeypatch, apply_chat_template) -> list[
                                    input_template=None if apply_chat_template else "Q: {} A: ",
                                    n_samples_per_prompt=1, generate_max_len=16)
     rejection_sampling.check_args(args)  # as main() does: fills in --max_model_len from the model
-    policy_tokenizer = load_tokenizer(args.pretrain)  # as main() loads it
-    rejection_sampling.score(args, policy_tokenizer, [PROMPT], [None], [[RESPONSE]], None, "score")
+    rejection_sampling.score(args, [PROMPT], [None], [[RESPONSE]], None, "score")
     return seen[0]
 
 
@@ -107,6 +106,43 @@ def test_reward_is_read_at_the_same_tokens_in_training_and_use(reward_model, tmp
     assert trained.count(tokenizer.eos_token_id) == (2 if apply_chat_template else 1), tokenizer.decode(trained)
     assert ppo_sequence(reward_model, tmp_path, apply_chat_template) == trained, tokenizer.decode(trained)
     assert rejection_sampling_sequence(reward_model, monkeypatch, apply_chat_template) == trained
+
+
+class ScoringGroup:
+    """A reward model's worker group as ppo_ray.score uses it, one rank, scoring here: the rows it is sent."""
+
+    def __init__(self, path):
+        self.tokenizer, self.rows = load_tokenizer(path), []  # set by ppo_ray's driver for each reward model
+
+    def __len__(self):
+        return 1
+
+    def call_sharded(self, method, shards):
+        self.rows += [read_sequences(part["input_ids"], part["attention_mask"]) for part in shards]
+        return [torch.zeros(len(part["input_ids"])) for part in shards]
+
+    def get(self, refs):
+        return refs
+
+
+def test_each_reward_model_reads_its_own_templates_rendering_not_the_policys(tmp_path):
+    """A reward model whose chat template is not the policy's (same vocabulary and EOS, which both scripts check)
+    was read at the policy's rendering, a format rm.py never trained it on. Now ppo_ray.py and rejection
+    sampling render each pair with the reward model's own tokenizer, as rm.py did."""
+    chatml, default = str(tmp_path / "chatml"), str(tmp_path / "default")
+    for path, chat_format in ((chatml, "chatml"), (default, "default")):
+        write_tiny_model(os.path.join(path, "policy"), seed=0, chat_format=chat_format, hidden_size=64,
+                         num_layers=1, num_heads=2, num_kv_heads=1)
+        AutoModelForSequenceClassification.from_pretrained(os.path.join(path, "policy"), num_labels=1).save_pretrained(
+            path)
+        AutoTokenizer.from_pretrained(os.path.join(path, "policy")).save_pretrained(path)
+    policy_args = ppo_ray.Args(pretrain=os.path.join(default, "policy"), apply_chat_template=True,
+                               reward_pretrain=[chatml, default])
+    groups = [ScoringGroup(chatml), ScoringGroup(default)]
+    ppo_ray.score(policy_args, {"rewards": groups}, None, [PROMPT], [RESPONSE], [None])
+    for group, path in zip(groups, (chatml, default)):  # (the one rank's share is padded with copies of the row)
+        assert group.rows[0][0] == rm_training_sequence(path, tmp_path, True), path
+    assert groups[0].rows != groups[1].rows, "the two templates render alike: no test"
 
 
 def test_rm_offers_no_loss_choice_that_is_not_one(capsys):

@@ -121,6 +121,12 @@ def test_reward_model_loading_and_tokenizer_mistakes(tiny_model, tmp_path):
     other = build_tokenizer(vocab_size=300)
     with pytest.raises(UserError, match="--reward_pretrain rm has a different tokenizer from the policy --pretrain p"):
         rewards.check_same_tokenizer(policy_tokenizer, other, "--pretrain p", "--reward_pretrain rm")
+    no_template = AutoTokenizer.from_pretrained(tiny_model)
+    no_template.chat_template = None  # rm.py trained it without --apply_chat_template
+    rewards.check_same_tokenizer(policy_tokenizer, no_template, "--pretrain p", "--reward_pretrain rm")
+    with pytest.raises(UserError, match="--reward_pretrain rm has no chat template, so rm.py did not train it on "
+                                        "chats"):
+        rewards.check_same_tokenizer(policy_tokenizer, no_template, "--pretrain p", "--reward_pretrain rm", True)
 
 
 def test_combine_rewards_is_a_weighted_sum():

@@ -67,3 +67,29 @@ def test_a_vllm_engine_ends_a_sample_at_its_stop_tokens_and_keeps_the_token(tmp_
         assert samples[0]["finish_reason"] == "length" and samples[0]["token_ids"][0] == end_id
     finally:
         engine.shutdown()
+
+
+def test_task_eval_decodes_greedily_whatever_the_models_generation_config_asks_for(tiny_model, tmp_path):
+    """transformers fills every field a generation config passed to generate leaves unset from the model's own:
+    Qwen2.5-Instruct's repetition_penalty 1.05 changed the answers task_eval scored. Now they are plain greedy."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from common.task_eval import greedy_responses
+
+    penalised = str(tmp_path / "penalised")
+    shutil.copytree(tiny_model, penalised)
+    GenerationConfig(do_sample=True, temperature=0.7, top_k=20, repetition_penalty=5.0,
+                     no_repeat_ngram_size=2).save_pretrained(penalised)
+    prompts = ["What is 2+3?", "What is 10+7?", "Add 4 and 4."]
+    plain = greedy_responses(tiny_model, prompts, max_new_tokens=12)
+    assert greedy_responses(penalised, prompts, max_new_tokens=12) == plain
+    model = AutoModelForCausalLM.from_pretrained(penalised)
+    tokenizer = AutoTokenizer.from_pretrained(penalised)
+    ids = tokenizer(prompts[0], return_tensors="pt").input_ids
+    with_config = model.generate(ids, generation_config=GenerationConfig(do_sample=False, max_new_tokens=12))
+    without = AutoModelForCausalLM.from_pretrained(tiny_model).generate(
+        ids, generation_config=GenerationConfig(do_sample=False, max_new_tokens=12))
+    assert not torch.equal(with_config, without), "the penalty changes nothing here: no test"
