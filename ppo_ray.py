@@ -465,14 +465,21 @@ def reward_model_batch(args: Args, tokenizer, prompts: list, responses: list[str
     return pad_collate(rows, tokenizer.pad_token_id, keys=("input_ids",))
 
 
+@functools.lru_cache(maxsize=None)
+def reward_tokenizer(path: str):
+    """A reward model's tokenizer, loaded once on the driver: the pairs the model scores are rendered with it."""
+    return load_tokenizer(path, "--reward_pretrain")
+
+
 def score(args: Args, roles: dict, reward_fn, prompts: list, responses: list[str],
           labels: list) -> tuple[torch.Tensor, dict]:
     """The reward of every response (batch,): the weighted sum (rewards.combine_rewards) of each reward model's
     score, the rule function's and the remote RM's, clipped to --reward_clip; and each source's mean. Each reward
     model reads the pairs rendered with its own tokenizer's chat template, as rm.py trained it."""
     micro, reward_models = micro_rollout(args), roles["rewards"]
-    pending = [group.call_sharded("scores", shard(reward_model_batch(args, group.tokenizer, prompts, responses),
-                                                  len(group), micro)) for group in reward_models]  # all at once
+    pending = [group.call_sharded("scores", shard(reward_model_batch(args, reward_tokenizer(path), prompts, responses),
+                                                  len(group), micro))  # all at once
+               for group, path in zip(reward_models, args.reward_pretrain or [])]
     sources, metrics = [], {}
     for i, parts in enumerate(pending):
         sources.append(gather(reward_models[i], parts, len(responses)))
@@ -1098,7 +1105,6 @@ def place_roles(args: Args, total_actor_steps: int) -> dict:
             shared or make_placement_group(args.reward_num_workers, cpus, f"reward model {i + 1}"))  # one name each
         roles["rewards"].append(start(RewardModelWorker, pg, shares["reward model"], args=(args, path),
                                       role=f"reward model {i + 1}"))
-        roles["rewards"][-1].tokenizer = load_tokenizer(path, "--reward_pretrain")  # the driver renders its pairs
     wait_for_engines(engines, warm_up)
     groups = [roles[name] for name in ("actor", "ref", "critic") if name in roles] + roles["rewards"]
     for group in groups:

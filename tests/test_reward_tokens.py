@@ -20,7 +20,6 @@ import ppo_ray
 import rejection_sampling
 import rm
 from common import rewards
-from common.deepspeed_utils import load_tokenizer
 from common.tiny_model import write_tiny_model
 
 # A response that starts with a word: byte-level BPE merges the space that ends the input template ("A: ") into it
@@ -111,8 +110,8 @@ def test_reward_is_read_at_the_same_tokens_in_training_and_use(reward_model, tmp
 class ScoringGroup:
     """A reward model's worker group as ppo_ray.score uses it, one rank, scoring here: the rows it is sent."""
 
-    def __init__(self, path):
-        self.tokenizer, self.rows = load_tokenizer(path), []  # set by ppo_ray's driver for each reward model
+    def __init__(self):
+        self.rows = []
 
     def __len__(self):
         return 1
@@ -138,7 +137,7 @@ def test_each_reward_model_reads_its_own_templates_rendering_not_the_policys(tmp
         AutoTokenizer.from_pretrained(os.path.join(path, "policy")).save_pretrained(path)
     policy_args = ppo_ray.Args(pretrain=os.path.join(default, "policy"), apply_chat_template=True,
                                reward_pretrain=[chatml, default])
-    groups = [ScoringGroup(chatml), ScoringGroup(default)]
+    groups = [ScoringGroup(), ScoringGroup()]  # in --reward_pretrain's order
     ppo_ray.score(policy_args, {"rewards": groups}, None, [PROMPT], [RESPONSE], [None])
     for group, path in zip(groups, (chatml, default)):  # (the one rank's share is padded with copies of the row)
         assert group.rows[0][0] == rm_training_sequence(path, tmp_path, True), path
