@@ -42,6 +42,46 @@ def check_model_path(path: str, flag: str = "--pretrain") -> None:
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):
             raise UserError(f"{flag} {path} does not exist, and no model of that name is in the Hugging Face cache "
                             f"(HF_HUB_OFFLINE is set); give a Hugging Face model folder.")
+    file = config_file(path)
+    if file is not None:
+        check_weight_files(os.path.dirname(file), path, flag)
+
+
+def check_weight_files(folder: str, path: str, flag: str) -> None:
+    """Refuse a model folder whose weights an interrupted download left damaged: a *.safetensors file shorter or
+    longer than its header says (safetensors' own error is "incomplete metadata, file not fully covered", from
+    deep inside the model load, on every rank), or a shard that model.safetensors.index.json names and the folder
+    lacks. Reads the headers only (safetensors format: an 8-byte little-endian header length, a JSON header giving
+    each tensor's data_offsets, then the data)."""
+    names = sorted(os.listdir(folder))
+    for index in (n for n in names if n.endswith(".index.json")):
+        try:
+            with open(os.path.join(folder, index)) as f:
+                shards = sorted(set((json.load(f).get("weight_map") or {}).values()))
+        except (OSError, ValueError, AttributeError):
+            raise UserError(f"{flag} {path}: {index} is damaged (not a JSON weight index); fetch the model "
+                            f"again.") from None
+        for shard in shards:
+            if not os.path.isfile(os.path.join(folder, shard)):
+                raise UserError(f"{flag} {path}: {shard}, a shard its {index} names, is missing, as an interrupted "
+                                f"download leaves it; fetch that file again.")
+    for name in (n for n in names if n.endswith(".safetensors")):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise UserError(f"{flag} {path}: {name} is a link to a file that is not there; fetch that file again.")
+        size, expected = os.path.getsize(os.path.join(folder, name)), None
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                if 8 + header_len <= size:
+                    header = json.loads(f.read(header_len))
+                    expected = 8 + header_len + max((t["data_offsets"][1] for k, t in header.items()
+                                                     if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            pass  # not a safetensors header: cut inside it, or another kind of file
+        if expected != size:
+            what = f"{size:,} bytes where its header says {expected:,}" if expected else "its header is unreadable"
+            raise UserError(f"{flag} {path}: {name} is damaged ({what}), as an interrupted download leaves it; "
+                            f"fetch that file again.")
 
 
 # Heads whose checkpoints load as a causal LM only with a new, random output layer (a reward model saved by rm.py).

@@ -13,6 +13,7 @@ which works for any chat template that renders history stably.
 """
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -32,9 +33,21 @@ class DataError(UserError):
 
 
 # ----------------------------------------------------------------------------------------------- loading records
+def _read_text(path: str) -> str:
+    """The file's text, read as UTF-8; a byte that is not is named by its line."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}, line {line}: byte 0x{raw[e.start]:02x} is not UTF-8 text; save the file as UTF-8, "
+                        f"or fix or remove that line.") from None
+
+
 def _read_jsonl(path: str) -> list[dict]:
     rows = []
-    with open(path) as f:
+    with io.StringIO(_read_text(path), newline=None) as f:  # newline=None: lines end as open()'s text mode ends them
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -56,8 +69,7 @@ def _read_file(path: str, split: str | None = None) -> list[dict]:
         return _read_jsonl(path)
     if path.endswith(".json"):
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = json.loads(_read_text(path))
         except json.JSONDecodeError as e:
             if e.msg == "Extra data":  # one object a line under a .json name (datasets' Dataset.to_json)
                 return _read_jsonl(path)

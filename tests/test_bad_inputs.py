@@ -12,6 +12,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,6 +110,28 @@ def other_tokenizer_model(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def damaged_models(tiny_model, tmp_path_factory) -> dict:
+    """The tiny model as interrupted downloads leave it: model.safetensors cut short, or saved in shards of which
+    the last is missing."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("damaged_models")
+    cut, sharded = folder / "cut_short", folder / "shard_missing"
+    cut.mkdir()
+    for name in os.listdir(tiny_model):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(tiny_model, name), cut / name)
+    weights = open(os.path.join(tiny_model, "model.safetensors"), "rb").read()
+    (cut / "model.safetensors").write_bytes(weights[: len(weights) * 2 // 3])
+    shutil.copytree(cut, sharded, ignore=shutil.ignore_patterns("model.safetensors"))
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(sharded, max_shard_size="1MB")
+    shards = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))
+    assert len(shards) > 1, shards
+    os.remove(sharded / shards[-1])
+    return {"cut short": str(cut), "shard missing": str(sharded), "missing shard's name": shards[-1]}
+
+
+@pytest.fixture(scope="module")
 def bad_files(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("bad_files")
     (folder / "a_file").write_text("not a folder\n")
@@ -118,8 +141,17 @@ def bad_files(tmp_path_factory) -> dict:
     (folder / "other_keys.jsonl").write_text('{"question": "What is 1+1?", "answer": "2"}\n')
     (folder / "three.jsonl").write_text("".join(f'{{"prompt": "What is {i}+1?", "label": "{i + 1}"}}\n'
                                                 for i in range(3)))
+    lines = (folder / "three.jsonl").read_bytes().splitlines(keepends=True) * 2
+    lines.insert(4, latin1({"prompt": "Café: what is 1+1?", "label": "2"}))  # line 5
+    (folder / "not_utf8.jsonl").write_bytes(b"".join(lines))
     return {name: str(folder / name) for name in ("a_file", "no_config", "empty.jsonl", "malformed.jsonl",
-                                                  "other_keys.jsonl", "three.jsonl")}
+                                                  "other_keys.jsonl", "three.jsonl", "not_utf8.jsonl")}
+
+
+def latin1(row: dict) -> bytes:
+    """A JSON line as a spreadsheet export or an old editor writes it, in Latin-1 where UTF-8 belongs: its é is the
+    byte 0xe9, which UTF-8 reads as the start of a character the next bytes do not continue."""
+    return (json.dumps(row, ensure_ascii=False) + "\n").encode("latin-1")
 
 
 # ------------------------------------------------------------------------------------------ fast: flags, files
@@ -131,9 +163,11 @@ def bad_files(tmp_path_factory) -> dict:
     ("lengths beyond the model's positions", "more than --pretrain"),
     ("a reward model where the policy belongs", "is a LlamaForSequenceClassification, not a causal language model"),
     ("an encoder-decoder model", "is a 't5' model, which transformers cannot load as a causal language model"),
+    ("model.safetensors cut short", "model.safetensors is damaged ("),
+    ("a shard missing", "a shard its model.safetensors.index.json names, is missing"),
 ])
 def test_refused_before_anything_loads(script, fault, words, tiny_model, short_model, not_causal_lms, task,
-                                       bad_files, tmp_path, capsys):
+                                       bad_files, damaged_models, tmp_path, capsys):
     if script == "rm" and fault == "a reward model where the policy belongs":
         pytest.skip("rm.py trains a scalar head on any decoder-only backbone, a reward model's included")
     out = str(tmp_path / "out")
@@ -141,7 +175,9 @@ def test_refused_before_anything_loads(script, fault, words, tiny_model, short_m
              "model folder without config.json": bad_files["no_config"],
              "lengths beyond the model's positions": short_model,
              "a reward model where the policy belongs": not_causal_lms["reward model"],
-             "an encoder-decoder model": not_causal_lms["t5"]}.get(fault, tiny_model)
+             "an encoder-decoder model": not_causal_lms["t5"],
+             "model.safetensors cut short": damaged_models["cut short"],
+             "a shard missing": damaged_models["shard missing"]}.get(fault, tiny_model)
     if fault == "output dir is a file":
         out = bad_files["a_file"]
     code, stderr = run_in_process(script, command(script, model, task, out), capsys)
@@ -180,12 +216,29 @@ def test_an_encoder_decoder_scorer_is_refused(script, flag, tiny_model, not_caus
     check_refused(code, stderr, f"{flag} {t5} is a 't5' model", out)
 
 
+@pytest.mark.parametrize("script,flag", [("ppo_ray", "--reward_pretrain"), ("ppo_ray", "--critic_pretrain"),
+                                         ("rejection_sampling", "--reward_pretrain"), ("dpo", "--ref_pretrain"),
+                                         ("kto", "--ref_pretrain")])
+@pytest.mark.parametrize("fault", ["cut short", "shard missing"])
+def test_a_damaged_scorer_or_reference_is_refused_naming_the_file(script, flag, fault, tiny_model, damaged_models,
+                                                                   task, tmp_path, capsys):
+    """An interrupted download of a model besides the policy: safetensors' "incomplete metadata, file not fully
+    covered" from deep in a worker, or a shard not found, once the run had started."""
+    out = str(tmp_path / "out")
+    damaged = damaged_models[fault]
+    code, stderr = run_in_process(script, command(script, tiny_model, task, out, flag, damaged), capsys)
+    name = "model.safetensors" if fault == "cut short" else damaged_models["missing shard's name"]
+    check_refused(code, stderr, f"{flag} {damaged}: {name}", out)
+    assert "fetch that file again" in stderr
+
+
 @pytest.mark.parametrize("script", ["ppo_ray", "rejection_sampling"])
 @pytest.mark.parametrize("data,words", [
     ("empty.jsonl", "is empty"),
     ("malformed.jsonl", "line 2"),
     ("other_keys.jsonl", "'prompt'"),
     ("three.jsonl", "has 3 usable prompts, fewer than one rollout batch; lower --rollout_batch_size to 3 or less"),
+    ("not_utf8.jsonl", "line 5: byte 0xe9 is not UTF-8 text"),
 ])
 def test_prompt_data_faults_name_the_file_and_the_fix(script, data, words, tiny_model, task, bad_files, tmp_path,
                                                       capsys):
@@ -208,9 +261,9 @@ RESPONSE_KEY = {"sft": "response", "rm": "chosen", "dpo": "chosen", "kto": "resp
 
 
 @pytest.mark.parametrize("script", TRAINERS)
-@pytest.mark.parametrize("fault", ["file missing", "empty", "malformed line", "missing key", "null response",
-                                   "not a boolean label", "fewer samples than one batch", "every sample too long",
-                                   "batch sizes that do not divide"])
+@pytest.mark.parametrize("fault", ["file missing", "empty", "malformed line", "not UTF-8", "missing key",
+                                   "null response", "not a boolean label", "fewer samples than one batch",
+                                   "every sample too long", "batch sizes that do not divide"])
 def test_training_data_faults_name_the_file_and_the_fix(script, fault, tiny_model, task, tmp_path, capsys):
     """Checked before the distributed world or DeepSpeed starts: a bad dataset costs the user seconds."""
     if fault == "not a boolean label" and script != "kto":
@@ -239,6 +292,11 @@ def test_training_data_faults_name_the_file_and_the_fix(script, fault, tiny_mode
     if fault == "malformed line":
         dataset.write_text(json.dumps(good) + '\n{"prompt": "What is 2+2?"\n')
         words = "line 2: not valid JSON"
+    elif fault == "not UTF-8":
+        lines = dataset.read_bytes().splitlines(keepends=True)
+        lines[4] = latin1({**good, "prompt": "Café: what is 1+1?"})
+        dataset.write_bytes(b"".join(lines))
+        words = "line 5: byte 0xe9 is not UTF-8 text"
     elif fault == "file missing":
         dataset, words = tmp_path / "no_such_data.jsonl", "no_such_data.jsonl does not exist; check the path"
     out = str(tmp_path / "out")
