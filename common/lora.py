@@ -14,7 +14,8 @@ What the scripts use:
   - `merged_state_dict` folds W + (alpha / r) B A back under the base model's own names: the saved model loads with
     plain `from_pretrained` and in vLLM, and the adapter is saved on its own beside it (checkpoint.save_hf_model);
   - `iter_merged_params` yields the merged weights of the adapted layers, and the linear layers beside them, for
-    the weight sync to vLLM: every other weight is frozen, so the engines already hold it.
+    the weight sync to vLLM: every other weight is frozen, so the engines already hold it, except that QLoRA's first
+    sync also sends every 4-bit layer dequantized (the engines loaded them in full precision).
 """
 
 import contextlib
@@ -205,15 +206,20 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {k: v for k, v in state.items() if ".lora_" in k or f".modules_to_save.{ADAPTER}." in k}
 
 
-def iter_merged_params(model):
+def iter_merged_params(model, everything_quantized: bool = False):
     """Yield (Hugging Face name, weight) for each adapted layer, merged, and for the other linear layers beside one
-    (children of the same module), as they are; gathering ZeRO-3 shards one layer at a time.
+    (children of the same module), as they are; with `everything_quantized`, also every other 4-bit layer,
+    dequantized. Gathers ZeRO-3 shards one layer at a time.
 
     A collective under ZeRO-3, like weight_sync.iter_gathered_params: every trainer rank runs through it. Only the
     adapted layers change during LoRA training, but vLLM fuses sibling layers into one weight (q, k and v into
     qkv_proj; gate and up into gate_up_proj) and rebuilds a fused weight from the parts a sync sends: with
     --target_modules q_proj,v_proj alone, k's rows came back as uninitialised memory. Sending every linear sibling
     of an adapted layer fills each fused weight whole; with all-linear they are all adapted anyway.
+
+    QLoRA (Dettmers et al. 2023) computes with the NF4 rounding of the weights, while the engines loaded them in full
+    precision: the first sync of a 4-bit model passes `everything_quantized`, or layers no adapter touches (the MLPs
+    under q_proj,v_proj) would be sampled from unquantized for the whole run.
     """
     import deepspeed
 
@@ -221,22 +227,24 @@ def iter_merged_params(model):
     adapted = _lora_layers(model)
     parents = {name.rpartition(".")[0] for name in adapted}
     is_2d = lambda p: len(getattr(p, "ds_shape", p.shape)) == 2  # a ZeRO-3 partitioned parameter's full shape
-    for parent in sorted(parents):
-        for child_name, child in model.get_submodule(parent).named_children():
-            name = f"{parent}.{child_name}"
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if name in adapted:
+            params = [module.base_layer.weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight]
+        elif name.endswith(".base_layer") or not isinstance(weight, torch.nn.Parameter) or \
+                isinstance(module, torch.nn.Embedding):
+            continue  # an adapted layer's base is sent merged, under the adapted layer's name
+        elif (name.rpartition(".")[0] in parents and is_2d(weight)) or \
+                (everything_quantized and getattr(weight, "quant_state", None) is not None):
+            params = [weight]
+        else:
+            continue
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
+            tensor = dequantized(params[0], model.dtype).detach()
             if name in adapted:
-                params = [child.base_layer.weight, child.lora_A[ADAPTER].weight, child.lora_B[ADAPTER].weight]
-            elif isinstance(getattr(child, "weight", None), torch.nn.Parameter) and is_2d(child.weight) and \
-                    not isinstance(child, torch.nn.Embedding):
-                params = [child.weight]
-            else:
-                continue
-            partitioned = [p for p in params if hasattr(p, "ds_id")]
-            with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
-                weight = dequantized(params[0], model.dtype).detach()
-                if name in adapted:
-                    weight = merged_weight(weight, params[1].detach(), params[2].detach(), child.scaling[ADAPTER],
-                                           child.fan_in_fan_out)
-                elif partitioned:
-                    weight = weight.clone()  # the gathered tensor is freed when the context ends
-            yield name.removeprefix(PEFT_PREFIX) + ".weight", weight
+                tensor = merged_weight(tensor, params[1].detach(), params[2].detach(), module.scaling[ADAPTER],
+                                       module.fan_in_fan_out)
+            elif partitioned:
+                tensor = tensor.clone()  # the gathered tensor is freed when the context ends
+        yield name.removeprefix(PEFT_PREFIX) + ".weight", tensor

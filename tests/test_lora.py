@@ -216,6 +216,101 @@ def test_a_qlora_model_is_saved_dequantized_and_merged(model_dir, tmp_path):
     assert (saved - adapted).abs().max() < 0.05 * (base - adapted).abs().max()
 
 
+def test_qlora_first_sync_sends_every_4bit_layer_as_the_trainer_computes_with_it(model_dir):
+    """The engines load --pretrain in full precision, while a QLoRA actor computes with its NF4 rounding. The first
+    sync sent only the adapted layers and their siblings, so with q_proj,v_proj the MLPs (and o_proj) stayed
+    unquantized in vLLM for the whole run; it now sends every 4-bit layer dequantized, later syncs what the adapters
+    change. On CPU, as test_a_qlora_model_is_saved_dequantized_and_merged."""
+    bitsandbytes = pytest.importorskip("bitsandbytes", reason="bitsandbytes is installed on CUDA machines "
+                                                              "(requirements.txt)")
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, device_map={"": "cpu"})
+    model = lora.wrap(model, lora_args(target_modules="q_proj,v_proj", zero_stage=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    # Before any forward in eval mode without grad: bitsandbytes' CPU backend repacks a 4-bit weight then.
+    quantized = {name.removeprefix(lora.PEFT_PREFIX).removesuffix(".base_layer"): m
+                 for name, m in model.named_modules() if isinstance(m, bitsandbytes.nn.Linear4bit)}
+    assert any(".mlp." in name for name in quantized) and any(".o_proj" in name for name in quantized)
+
+    first = dict(lora.iter_merged_params(model, everything_quantized=True))
+    assert set(first) == {f"{name}.weight" for name in quantized}  # every layer that computes in 4 bits
+    for name, layer in quantized.items():
+        weight = first[f"{name}.weight"]
+        dequantized = bitsandbytes.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        if name.endswith(("q_proj", "v_proj")):  # adapted: W dequantized + (alpha / r) B A
+            assert (weight - dequantized).abs().max() > 1e-4
+            continue
+        assert torch.equal(weight, dequantized)
+        x = torch.randn(3, weight.shape[1], requires_grad=True)  # the training path, as the actor's update runs
+        torch.testing.assert_close(layer(x).detach(), torch.nn.functional.linear(x.detach(), weight, layer.bias))
+
+    later = dict(lora.iter_merged_params(model))  # after a step: the adapted layers and their siblings
+    assert {name.rsplit(".", 2)[-2] for name in later} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for name, tensor in later.items():
+        assert torch.equal(tensor, first[name])
+
+
+@pytest.mark.slow
+def test_qlora_vllm_samples_from_the_trainers_weights_after_the_first_sync(tiny_model, monkeypatch):
+    """End to end through a vLLM engine on CPU (~35 s): after QLoRA's first sync, vllm/logprob_diff is at float
+    rounding. Before it, the engine samples from the full-precision checkpoint; after the old first sync (adapted
+    layers and their siblings only), from full-precision MLPs."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is installed on CUDA machines (requirements.txt)")
+    if torch.cuda.is_available():
+        pytest.skip("the engine would run on the GPU in bf16, off the float32 rounding level this test holds it to")
+    import ray
+    from transformers import BitsAndBytesConfig
+
+    from common.vllm_engine import create_vllm_engines, shutdown_engines
+    from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group
+
+    for name, value in {"RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():  # before Ray starts: its actors inherit them
+        monkeypatch.setenv(name, value)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, quantization_config=quantization, device_map={"": "cpu"})
+    model = lora.wrap(model, lora_args(target_modules="q_proj,v_proj", zero_stage=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.05 * torch.randn_like(p))
+    model.train()  # bitsandbytes' CPU backend would repack the 4-bit weights at an eval forward (GPUs never do)
+    prompts = [[5 + i, 40 + 3 * i, 100 + 7 * i, 9] for i in range(6)]
+
+    def logprob_diff(engine) -> float:  # vllm/logprob_diff: mean |vLLM - trainer| over the tokens vLLM sampled
+        out = ray.get(engine.generate.remote(prompts, n=1, temperature=1.0, max_tokens=12, logprobs=True))
+        diffs = []
+        for prompt, (sample,) in zip(prompts, out):
+            ids = torch.tensor([prompt + sample["token_ids"]])
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            trainer = logprobs.gather(1, torch.tensor(sample["token_ids"])[:, None])[:, 0]
+            diffs.append((torch.tensor(sample["logprobs"]) - trainer).abs())
+        return torch.cat(diffs).mean().item()
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        engines = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain_path=tiny_model, seed=0,
+                                      max_model_len=64, enforce_eager=True)
+        group = init_weight_sync_group(engines)
+        unsynced = logprob_diff(engines[0])
+        broadcast_weights_to_vllm(lora.iter_merged_params(model), engines, group)  # what the old first sync sent
+        mlps_unsynced = logprob_diff(engines[0])
+        broadcast_weights_to_vllm(lora.iter_merged_params(model, everything_quantized=True), engines, group)
+        synced = logprob_diff(engines[0])
+        shutdown_engines(engines)
+    finally:
+        ray.shutdown()
+    assert synced < 1e-4 and min(unsynced, mlps_unsynced) > 10 * synced, (unsynced, mlps_unsynced, synced)
+
+
 def test_resuming_with_lora_turned_on_or_off_is_refused_in_one_sentence(tmp_path):
     from common.checkpoint import check_settings
 
