@@ -824,10 +824,12 @@ class ActorWorker(ReferenceWorker):
     def init_weight_sync(self, engines: list) -> None:
         self.sync_group = init_weight_sync_group(engines) if self.rank == 0 else None
 
-    def sync_weights(self, engines: list) -> dict:
+    def sync_weights(self, engines: list, everything_quantized: bool = False) -> dict:
         """Every rank gathers ZeRO-3 shards (collective); rank 0 broadcasts them to the engines in buckets. With LoRA
-        only the adapted layers change, and they are sent merged, W + (alpha / r) B A, as vLLM's model has them."""
-        params = lora.iter_merged_params(self.engine) if self.args.lora_rank else iter_gathered_params(self.engine)
+        only the adapted layers change, and they are sent merged, W + (alpha / r) B A, as vLLM's model has them;
+        `everything_quantized` adds every 4-bit layer, dequantized (QLoRA's first sync)."""
+        params = (lora.iter_merged_params(self.engine, everything_quantized) if self.args.lora_rank
+                  else iter_gathered_params(self.engine))
         if self.rank == 0:
             return broadcast_weights_to_vllm(params, engines, self.sync_group)
         for _ in params:
@@ -1257,11 +1259,11 @@ def train_step(roles: dict, experience: dict, kl_coef: float, step: int, micro: 
     return metrics
 
 
-def sync_weights(roles: dict) -> dict:
+def sync_weights(roles: dict, everything_quantized: bool = False) -> dict:
     """Send the actor's new weights to the vLLM engines (common/weight_sync.py); returns its counts and times."""
     roles["engine_sleep"].before_sync()
     engines = roles["engines"]
-    sync = wait_for(roles["actor"].call("sync_weights", engines), engines, "the weight sync")[0]
+    sync = wait_for(roles["actor"].call("sync_weights", engines, everything_quantized), engines, "the weight sync")[0]
     return {"weight_sync/bytes": sync.get("weight_sync/bytes", 0),
             "weight_sync/vllm_load": sync.get("weight_sync/load_seconds", 0)}
 
@@ -1414,6 +1416,8 @@ def train(args: Args, roles: dict, tokenizer, reward_fn, prompts: list[dict], ev
     kl_ctl = (tricks.AdaptiveKLController(args.init_kl_coef, args.kl_target, args.kl_horizon) if args.kl_target
               else tricks.FixedKLController(args.init_kl_coef))
     start_step = step = resume(roles, ckpt_dir, kl_ctl)
+    if args.load_in_4bit:  # QLoRA computes with the 4-bit rounding of weights the engines loaded in full precision
+        sync_weights(roles, everything_quantized=True)  # (resume() sent only what the adapters change)
     logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
     bar = progress(args.max_steps, 0, "ppo", initial=start_step)
