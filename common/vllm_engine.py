@@ -26,6 +26,7 @@ from common.args import UserError, check_model_path
 from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
 from common.ray_workers import check_alive, wait
+from common.weight_sync import checkpoint_tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class VLLMEngine:
         import vllm
 
         self.use_gpu = use_gpu
+        self.pretrain_path = pretrain_path
         self.dtype = dtype or trainer_dtype(use_gpu)
         self.enable_sleep_mode = enable_sleep_mode
         self.memory_log: list[tuple] = []
@@ -176,10 +178,14 @@ class VLLMEngine:
         the slowest worker spent loading it."""
         return max(self.llm.collective_rpc("weight_sync_receive_bucket", args=(meta, handle)))
 
-    def finish_weight_update(self) -> float:
+    def checkpoint_names(self) -> list[str] | None:
+        """The tensor names of the checkpoint this engine loaded, which its weight loader reads (None if unread)."""
+        return checkpoint_tensor_names(self.pretrain_path)
+
+    def finish_weight_update(self, complete: bool = True) -> float:
         """After the last bucket: finish loading, and forget cached KV, which the old weights computed; returns the
-        seconds the slowest worker took to finish."""
-        seconds = max(self.llm.collective_rpc("weight_sync_finish"))
+        seconds the slowest worker took to finish. `complete=False`: only some layers were sent (LoRA)."""
+        seconds = max(self.llm.collective_rpc("weight_sync_finish", args=(complete,)))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update; "
                                "do not update weights while this engine is generating.")

