@@ -84,7 +84,8 @@ from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, 
                              unpack_next_token)
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
                                 shutdown_engines, start_generate, wait_for, wait_for_engines)
-from common.weight_sync import SYNC_TIMEOUT, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
+from common.weight_sync import (SYNC_TIMEOUT, broadcast_weights_to_vllm, in_checkpoint_layout, init_weight_sync_group,
+                                 iter_gathered_params)
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -828,10 +829,11 @@ class ActorWorker(ReferenceWorker):
         """Every rank gathers ZeRO-3 shards (collective); rank 0 broadcasts them to the engines in buckets. With LoRA
         only the adapted layers change, and they are sent merged, W + (alpha / r) B A, as vLLM's model has them;
         `everything_quantized` adds every 4-bit layer, dequantized (QLoRA's first sync)."""
-        params = (lora.iter_merged_params(self.engine, everything_quantized) if self.args.lora_rank
-                  else iter_gathered_params(self.engine))
+        params = (in_checkpoint_layout(lora.base_model(self.engine),
+                                       lora.iter_merged_params(self.engine, everything_quantized))
+                  if self.args.lora_rank else iter_gathered_params(self.engine))
         if self.rank == 0:
-            return broadcast_weights_to_vllm(params, engines, self.sync_group)
+            return broadcast_weights_to_vllm(params, engines, self.sync_group, complete=not self.args.lora_rank)
         for _ in params:
             pass
         return {}
