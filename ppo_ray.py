@@ -82,6 +82,7 @@ from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle
 from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
                              scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
                              unpack_next_token)
+from common.ppo_tricks import uses_reference  # the memory plan asks the same
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
                                 shutdown_engines, start_generate, wait_for, wait_for_engines)
 from common.weight_sync import (SYNC_TIMEOUT, broadcast_weights_to_vllm, in_checkpoint_layout, init_weight_sync_group,
@@ -307,12 +308,6 @@ class Args:
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
 KL_IN_LOSS = ("grpo", "dr_grpo")  # estimators whose KL to the reference is a loss term, not a reward penalty
 GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce++-baseline")  # estimators that compare samples of one prompt
-
-
-def uses_reference(args: Args) -> bool:
-    """Whether the run compares the policy with the reference model: a KL penalty in the reward or in the loss. At
-    --init_kl_coef 0 there is none (the adaptive controller scales the coefficient, and 0 stays 0): no reference."""
-    return args.init_kl_coef > 0
 
 
 def update_is_on_policy(args: Args) -> bool:
@@ -1496,10 +1491,7 @@ def main(args: Args):
     args.reward_pretrain = [os.path.abspath(p) if os.path.exists(p) else p for p in args.reward_pretrain or []]
     check_args(args)
     if args.dry_run:
-        groups = memory_plan.plan(args)
-        print(memory_plan.describe(args, groups))
-        memory_plan.check(args, groups)
-        print("the plan fits.")
+        memory_plan.dry_run(args)
         return
     reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
     if args.env_fn:

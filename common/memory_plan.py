@@ -1,5 +1,10 @@
 """Memory pre-flight of a ppo_ray.py layout: what each GPU will hold, from the models' config.json alone.
 
+Each model is built from its config on the meta device (no memory, no weights), so its parameters are counted as
+transformers makes them, every expert of a mixture of experts included; its shapes come through AutoConfig, whose
+attribute maps read GPT-2's n_embd as hidden_size, and a vision-language model's from its text config. A model whose
+sizes cannot be known this way (remote code, a shape no attribute names) skips the plan, saying why in one line.
+
 Trained roles (actor, critic) hold their model states (weights, gradients and Adam states): DeepSpeed's own
 estimate at ZeRO-3 and ZeRO-2 (`estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/stage3.py, the
 ZeRO-2 one in stage_1_and_2.py), and below that the optimizers DeepSpeed picks for bf16 (model_states says which),
@@ -16,10 +21,17 @@ as they need it free when they start and wake.
     python ppo_ray.py ... --dry_run          # prints the plan, refuses one that does not fit, starts nothing
 """
 
+import copy
 import json
 import os
 
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import __version__ as transformers_version
+from transformers.pytorch_utils import Conv1D
+
 from common.args import UserError, config_file
+from common.ppo_tricks import uses_reference
 
 GiB = 2**30
 # What a vLLM engine keeps besides weights and KV cache: activations of a batch, CUDA graphs, NCCL buffers (rough).
@@ -35,42 +47,88 @@ LOGIT_BYTES = 10
 ACTIVATION_BYTES_PER_HIDDEN, ACTIVATION_BYTES_PER_INTERMEDIATE = 18, 8
 
 
-def read_config(path: str, flag: str) -> dict:
-    """A model's config.json, from its folder or the local hub cache (the pre-flight loads no weights)."""
+class PlanSkipped(Exception):
+    """The plan cannot be made for these models; the message says why, and the run goes on unchecked."""
+
+
+def read_config(path: str, flag: str):
+    """A model's config through transformers' AutoConfig (its attribute maps name GPT-2's n_embd hidden_size), from
+    its folder or the local hub cache: the pre-flight loads no weights and downloads nothing."""
     file = config_file(path)
     if file is None:
         raise UserError(f"{flag} {path} has no config.json here; the memory plan needs the model folder locally.")
     with open(file) as f:
-        return json.load(f)
+        model_type = json.load(f).get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise PlanSkipped(f"{flag} {path} is a {model_type!r} model, which transformers {transformers_version} does not know "
+                          f"(remote code is not run here), so its sizes are unknown")
+    return AutoConfig.from_pretrained(os.path.dirname(file))
 
 
-def model_sizes(config: dict) -> dict:
-    """Parameter counts of a Llama-style decoder: as a causal LM, with a scalar head instead of the LM head (critic,
-    reward model), its largest layer (the embedding, gathered whole under ZeRO-3), and bf16 KV-cache bytes per token."""
-    hidden, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q and o; k and v
-    per_layer = attention + 3 * hidden * config["intermediate_size"] + 2 * hidden  # + gate/up/down, 2 norms
-    backbone = vocab * hidden + layers * per_layer + hidden
-    # LoRA's A (r, in) and B (out, r) on every linear layer of a block: r x (in + out) each, at rank 1
-    lora_per_rank = layers * (2 * (hidden + heads * head_dim) + 2 * (hidden + kv_heads * head_dim)
-                              + 3 * (hidden + config["intermediate_size"]))
-    untied = not config.get("tie_word_embeddings")
-    layer_activations = (ACTIVATION_BYTES_PER_HIDDEN * hidden
-                         + ACTIVATION_BYTES_PER_INTERMEDIATE * config["intermediate_size"])  # bytes per token
-    return {"causal_lm": backbone + (vocab * hidden if untied else 0),
-            "scalar_head": backbone + hidden, "largest_layer": max(vocab * hidden, per_layer),
-            "kv_per_token": 2 * layers * kv_heads * head_dim * 2, "vocab": vocab, "lora_per_rank": lora_per_rank,
-            "embeddings": vocab * hidden * (2 if untied else 1),  # kept in bf16 by a 4-bit quantizer
+def model_sizes(config, scalar_head: bool = False) -> dict:
+    """Sizes of the model transformers builds from `config`: as a causal LM, or with a one-label scalar head instead
+    of the LM head (critic, reward model). The model is built on the meta device, so its parameters are counted as
+    transformers makes them (every expert of a mixture of experts, biases, tied embeddings once) without memory."""
+    text = config.get_text_config(decoder=True)  # a vision-language model's language model
+    try:
+        hidden, layers, heads = text.hidden_size, text.num_hidden_layers, text.num_attention_heads
+    except AttributeError as e:
+        raise PlanSkipped(f"its config names no {e.name}, a shape the plan needs") from None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    width = mlp_width(text)
+    if width is None:
+        raise PlanSkipped(f"its {type(text).__name__} names no MLP width the plan knows (intermediate_size, ffn_dim, "
+                          f"n_inner), which the activations need")
+    if scalar_head:
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+    model_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            model = model_class.from_config(config)
+    except ValueError as e:  # no such head for this model type
+        raise PlanSkipped(f"transformers cannot build it as a {model_class.__name__} ({e})") from None
+    params = sum(p.numel() for p in model.parameters())  # a tied matrix once
+    # What a ZeRO-3 forward gathers whole at a time: one block of a layer stack, or a module's own weights (the
+    # embedding, the LM head, a mixture of experts' fused expert tensors).
+    blocks = [sum(p.numel() for p in block.parameters()) for stack in model.modules()
+              if isinstance(stack, torch.nn.ModuleList) for block in stack]
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    embeddings = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                  if m is not None}
+    # LoRA's A (r, in) and B (out, r) on every linear layer of the backbone (not the head): r x (in + out), at rank 1
+    lora_per_rank = sum(sum(m.weight.shape) for m in model.base_model.modules()
+                        if isinstance(m, (torch.nn.Linear, Conv1D)))
+    layer_activations = ACTIVATION_BYTES_PER_HIDDEN * hidden + ACTIVATION_BYTES_PER_INTERMEDIATE * width  # per token
+    return {"params": params, "largest_layer": max(blocks + own), "kv_per_token": 2 * layers * kv_heads * head_dim * 2,
+            "vocab": model.get_input_embeddings().weight.shape[0], "lora_per_rank": lora_per_rank,
+            "embeddings": sum(embeddings.values()),  # kept in bf16 by a 4-bit quantizer
             "activations_per_token": {"all layers": layers * layer_activations,
                                       "checkpointed": layers * 2 * hidden + layer_activations}}
 
 
-def trained(args, sizes: dict, params: int, gpus: int, tokens: int) -> dict:
+def mlp_width(text) -> int | None:
+    """The MLP width a token goes through in a decoder layer: with a mixture of experts, its top-k experts' and any
+    shared expert's together (or a dense layer's, if wider); None when the config names none."""
+    dense = next((getattr(text, k) for k in ("intermediate_size", "ffn_dim", "n_inner")
+                  if isinstance(getattr(text, k, None), int)), None)
+    if dense is None and hasattr(text, "n_inner"):  # GPT-2, GPT-J, CodeGen: n_inner None is 4 x hidden
+        dense = 4 * text.hidden_size
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not isinstance(top_k, int) or top_k < 1:
+        return dense
+    expert = getattr(text, "moe_intermediate_size", None) or dense  # Mixtral's experts are intermediate_size wide
+    if expert is None:
+        return None
+    shared = (getattr(text, "shared_expert_intermediate_size", None)  # Qwen2-MoE
+              or (getattr(text, "n_shared_experts", None) or 0) * expert)  # DeepSeek
+    return max(dense or 0, top_k * expert + shared)
+
+
+def trained(args, sizes: dict, gpus: int, tokens: int) -> dict:
     """GPU bytes of a trained role's rank, by part (and the CPU bytes of the role): its model states, and the
-    activations of a micro-batch of `tokens`. `sizes` is the model's model_sizes, `params` the count trained.
+    activations of a micro-batch of `tokens`. `sizes` is the model's model_sizes.
 
     With --lora_rank only the adapters have model states (counted as on every linear layer, the most any
     --target_modules can give); the frozen weights are bf16, partitioned under ZeRO-3 with a layer gathered at a
@@ -78,6 +136,7 @@ def trained(args, sizes: dict, params: int, gpus: int, tokens: int) -> dict:
     """
     from common.deepspeed_utils import trained_zero_stage
 
+    params = sizes["params"]
     stage = trained_zero_stage(args.zero_stage, gpus, args.offload_optimizer, args.load_in_4bit)
     activations = tokens * sizes["activations_per_token"]["checkpointed" if args.gradient_checkpointing
                                                           else "all layers"]
@@ -128,12 +187,22 @@ def frozen(params: int, largest: int, gpus: int, offload: bool) -> dict:
             "cpu": 2 * params if offload else 0}
 
 
+def sizes_of(path: str, flag: str, scalar_head: bool = False) -> dict:
+    """model_sizes of the model at `path`, a PlanSkipped naming it."""
+    config = read_config(path, flag)
+    try:
+        return model_sizes(config, scalar_head)
+    except PlanSkipped as e:
+        raise PlanSkipped(f"{flag} {path}: {e}") from None
+
+
 def plan(args) -> dict:
     """{GPU group (the GPUs a set of colocated roles shares): (GPU count, {role: bytes it puts on each, by part})}."""
-    policy = model_sizes(read_config(args.pretrain, "--pretrain"))
-    rms = [model_sizes(read_config(p, "--reward_pretrain")) for p in args.reward_pretrain or []]
+    policy = sizes_of(args.pretrain, "--pretrain")
+    rms = [sizes_of(p, "--reward_pretrain", scalar_head=True) for p in args.reward_pretrain or []]
+    use_critic = args.advantage_estimator == "gae"
     critic_path = args.critic_pretrain or (args.reward_pretrain[0] if args.reward_pretrain else args.pretrain)
-    critic = model_sizes(read_config(critic_path, "--critic_pretrain"))
+    critic = sizes_of(critic_path, "--critic_pretrain", scalar_head=True) if use_critic else None
     seq = args.prompt_max_len + args.generate_max_len
     rollout_micro = args.micro_rollout_batch_size or args.micro_train_batch_size
 
@@ -143,32 +212,29 @@ def plan(args) -> dict:
     n_actor, engines_gpus = args.actor_num_workers, args.vllm_num_engines * args.vllm_tensor_parallel_size
     train_tokens = args.micro_train_batch_size * seq
     groups = {"actor": (n_actor, {"actor": {
-        **trained(args, policy, policy["causal_lm"], n_actor, train_tokens),
+        **trained(args, policy, n_actor, train_tokens),
         "logits": logits(max(args.micro_train_batch_size, rollout_micro))}})}
 
     def put(group: str, gpus: int, role: str, need: dict) -> None:
         groups.setdefault(group, (gpus, {}))[1][role] = need
 
-    # ppo_ray.uses_reference; with LoRA the actor's own frozen weights are the reference
-    if (args.init_kl_coef > 0 or args.advantage_estimator in ("grpo", "dr_grpo")) and not args.lora_rank:
+    if uses_reference(args) and not args.lora_rank:  # with LoRA the actor's own frozen weights are the reference
         shared = args.colocate_actor_ref or args.colocate_all
         gpus = n_actor if shared else args.ref_num_workers
         put("actor" if shared else "reference", gpus, "reference",
-            {**frozen(policy["causal_lm"], policy["largest_layer"], gpus, args.ref_offload),
+            {**frozen(policy["params"], policy["largest_layer"], gpus, args.ref_offload),
              "logits": logits(rollout_micro)})
-    use_critic = args.advantage_estimator == "gae"
     critic_group = "actor" if args.colocate_all else "critic"
     critic_gpus = n_actor if args.colocate_all else args.critic_num_workers
     if use_critic:
-        put(critic_group, critic_gpus, "critic", trained(args, critic, critic["scalar_head"], critic_gpus,
-                                                         train_tokens))
+        put(critic_group, critic_gpus, "critic", trained(args, critic, critic_gpus, train_tokens))
     for i, rm in enumerate(rms):
         beside_critic = args.colocate_all or (args.colocate_critic_reward and use_critic)
         gpus = critic_gpus if beside_critic else args.reward_num_workers
         put(critic_group if beside_critic else f"reward model {i + 1}", gpus, f"reward model {i + 1}",
-            frozen(rm["scalar_head"], rm["largest_layer"], gpus, args.ref_offload))
+            frozen(rm["params"], rm["largest_layer"], gpus, args.ref_offload))
     scale = 2 if args.vllm_dtype == "float32" else 1  # the engines' weights and KV cache in fp32, not bf16
-    weights = scale * 2 * policy["causal_lm"] // args.vllm_tensor_parallel_size
+    weights = scale * 2 * policy["params"] // args.vllm_tensor_parallel_size
     budget = args.vllm_gpu_memory_utilization * args.gpu_memory_gib * GiB
     kv = budget - weights - VLLM_OVERHEAD_GIB * GiB
     put("actor" if args.colocate_all else "vLLM", engines_gpus, "vLLM",
@@ -216,8 +282,26 @@ def check(args, groups: dict) -> None:
                             f"--vllm_gpu_memory_utilization, or colocate less.")
 
 
+def dry_run(args) -> None:
+    """--dry_run: print the plan and refuse one that does not fit, or say in one line why there is no plan."""
+    try:
+        groups = plan(args)
+    except PlanSkipped as e:
+        print(f"memory plan skipped: {e}.")
+        return
+    print(describe(args, groups))
+    check(args, groups)
+    print("the plan fits.")
+
+
 def preflight(args) -> None:
     """The check before a real start on GPUs, when every model is a local folder (a hub name has no config here)."""
     paths = [args.pretrain, args.critic_pretrain, *(args.reward_pretrain or [])]
-    if all(os.path.isdir(os.path.expanduser(p)) for p in paths if p):
-        check(args, plan(args))
+    if not all(os.path.isdir(os.path.expanduser(p)) for p in paths if p):
+        return
+    try:
+        groups = plan(args)
+    except PlanSkipped as e:
+        print(f"memory plan skipped: {e}; the run starts unchecked.")
+        return
+    check(args, groups)

@@ -7,6 +7,7 @@ Nothing divides by an empty count: a statistic over no tokens is 0.
     - compute_gae / compute_returns           advantages and returns (Schulman et al. 2016, GAE)
     - kl_penalty                              per-token KL estimators k1, k2, k3 (http://joschu.net/blog/kl-approx.html)
     - FixedKLController / AdaptiveKLController  the KL coefficient (Ziegler et al. 2019)
+    - uses_reference                          whether a run has a reference model at all (a KL coefficient above 0)
     - masked_mean / masked_var / masked_whiten
     - aggregate                               a per-token loss to a scalar: DAPO, GRPO, Dr. GRPO
     - place_reward_on_eos / compute_token_rewards
@@ -203,6 +204,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
     if kind == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'.")
+
+
+def uses_reference(args) -> bool:
+    """Whether a run compares the policy with a reference model: a KL penalty in the reward or in the loss. At
+    --init_kl_coef 0 there is none (the adaptive controller scales the coefficient, and 0 stays 0), whatever the
+    estimator: ppo_ray.py starts no reference and the memory plan counts none."""
+    return args.init_kl_coef > 0
 
 
 class FixedKLController:

@@ -4,12 +4,14 @@ tests/llama3_8b and tests/llama3_70b hold the config.json of Meta's Llama-3-8B a
 weights): the plan is computed from them alone, so every recipe's layout is checked against 80 GiB GPUs here.
 """
 
+import json
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 from test_placement import distinct, recipe_layouts
 
@@ -37,7 +39,7 @@ RECIPES = distinct(recipe_layouts())
 def test_llama3_configs_give_the_published_sizes():
     sizes = {name: memory_plan.model_sizes(memory_plan.read_config(path, "--pretrain")) for name, path in
              LLAMA.items()}
-    assert sizes["8B"]["causal_lm"] == 8_030_261_248 and sizes["70B"]["causal_lm"] == 70_553_706_496
+    assert sizes["8B"]["params"] == 8_030_261_248 and sizes["70B"]["params"] == 70_553_706_496
     assert sizes["70B"]["kv_per_token"] == 327_680  # 80 layers x 8 KV heads x 128 x (k, v) x bf16
 
 
@@ -127,3 +129,135 @@ def test_dry_run_prints_the_plan_and_starts_nothing():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "vLLM GPUs x4" in result.stdout and "KV cache holds" in result.stdout, result.stdout
     assert result.stdout.rstrip().endswith("the plan fits."), result.stdout
+
+
+# ------------------------------------------------------------------------------------------------ model families
+TINY = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2}  # head_dim 8
+
+
+def families() -> dict:
+    """Configs of each shape the plan reads, built with transformers' config classes: GPT-2 and OPT at their published
+    sizes (124,439,808 and 125,239,296 parameters, tied), a Gemma-3 vision-language model whose language model is
+    under text_config, a Llama, and two mixtures of experts whose expert weights are most of the model."""
+    from transformers import (Gemma3Config, GPT2Config, LlamaConfig, MixtralConfig, OPTConfig, Qwen2MoeConfig,
+                              SiglipVisionConfig)
+
+    return {
+        "gpt2": GPT2Config(),
+        "opt": OPTConfig(),
+        "gemma3": Gemma3Config(text_config={**TINY, "head_dim": 16, "intermediate_size": 48, "sliding_window": 16},
+                               vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=48,
+                                                                num_hidden_layers=2, num_attention_heads=4,
+                                                                image_size=28, patch_size=14).to_dict(),
+                               mm_tokens_per_image=4),
+        "llama": LlamaConfig(**TINY, intermediate_size=48),
+        "mixtral": MixtralConfig(**TINY, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": Qwen2MoeConfig(**TINY, intermediate_size=40, moe_intermediate_size=16,
+                                    shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2),
+    }
+
+
+def hand_count(name: str) -> int | None:
+    """Parameters of the tiny models counted by hand: embedding and LM head (untied), per layer attention (q, k, v, o;
+    Qwen2-MoE's q/k/v biases), the router, every expert's gate/up/down, Qwen2-MoE's shared expert and its gate, two
+    norms; a final norm."""
+    v, h, layers, heads, kv, d = 64, 32, 2, 4, 2, 8
+    attention = 2 * h * heads * d + 2 * h * kv * d
+    if name == "mixtral":
+        layer = attention + h * 4 + 4 * 3 * h * 48 + 2 * h
+    elif name == "qwen2_moe":
+        layer = attention + (heads + 2 * kv) * d + h * 4 + 4 * 3 * h * 16 + 3 * h * 24 + h + 2 * h
+    else:
+        return None
+    return 2 * v * h + layers * layer + h
+
+
+PUBLISHED = {"gpt2": 124_439_808, "opt": 125_239_296}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "gemma3", "llama", "mixtral", "qwen2_moe"])
+def test_the_plan_reads_every_family_through_its_config_class(name, tmp_path):
+    """The plan read config.json's own keys (hidden_size, intermediate_size, ...): GPT-2 (n_embd), OPT (ffn_dim) and
+    Gemma 3 (under text_config) stopped the first GPU run with a KeyError, and a mixture of experts was counted as
+    one dense MLP. Each family here is planned as a PPO run with a critic and a reward model of its own kind."""
+    families()[name].save_pretrained(tmp_path)
+    args = parse_args(ppo_ray.Args, ["--pretrain", str(tmp_path), "--reward_pretrain", str(tmp_path),
+                                     "--advantage_estimator", "gae"])
+    groups = memory_plan.plan(args)
+    memory_plan.check(args, groups)
+    assert {"actor", "reference", "critic", "reward model 1", "vLLM"} <= {r for _, roles in groups.values()
+                                                                          for r in roles}
+    expected = PUBLISHED.get(name) or hand_count(name)
+    if expected:
+        assert groups["vLLM"][1]["vLLM"]["weights"] == 2 * expected  # bf16, every expert included
+    sizes = memory_plan.model_sizes(memory_plan.read_config(str(tmp_path), "--pretrain"))
+    assert groups["vLLM"][1]["vLLM"]["weights"] == 2 * sizes["params"]
+    text = families()[name].get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    assert sizes["kv_per_token"] == 2 * text.num_hidden_layers * kv_heads * head_dim * 2
+
+
+def test_experts_are_counted_whole_and_a_token_s_activations_at_its_top_k():
+    """Mixtral keeps all 4 experts of a layer (each 3 x 32 x 48) in memory and gathers the layer whole under ZeRO-3;
+    a token goes through 2 of them, and through Qwen2-MoE's shared expert too."""
+    configs = families()
+    mixtral = memory_plan.model_sizes(configs["mixtral"])
+    layer = 2 * 32 * 32 + 2 * 32 * 16 + 32 * 4 + 4 * 3 * 32 * 48 + 2 * 32
+    assert mixtral["largest_layer"] == layer
+    assert memory_plan.mlp_width(configs["mixtral"]) == 2 * 48
+    assert memory_plan.mlp_width(configs["qwen2_moe"]) == 2 * 16 + 24
+    critic = memory_plan.model_sizes(configs["mixtral"], scalar_head=True)  # a one-output head for the LM head
+    assert critic["params"] == mixtral["params"] - 64 * 32 + 32
+
+
+def test_gemma3_plans_its_language_model_and_counts_its_vision_tower(tmp_path):
+    """transformers loads Gemma 3 as a causal LM with its vision tower (Gemma3ForConditionalGeneration): every
+    weight counts, while the KV cache and activations are the language model's."""
+    from transformers import AutoModelForCausalLM
+
+    config = families()["gemma3"]
+    sizes = memory_plan.model_sizes(config)
+    with torch.device("meta"):
+        text_only = sum(p.numel() for p in AutoModelForCausalLM.from_config(config.text_config).parameters())
+    assert sizes["params"] > text_only
+    assert sizes["kv_per_token"] == 2 * 2 * 2 * 16 * 2 and sizes["vocab"] == config.text_config.vocab_size
+
+
+def unknown_model(folder) -> str:
+    """A model folder whose code transformers does not have (its own modelling code, run with trust_remote_code)."""
+    (folder / "config.json").write_text(json.dumps({"model_type": "my_own_lm", "hidden_size": 64, "auto_map": {
+        "AutoModelForCausalLM": "modeling_my_own.MyOwnForCausalLM"}}))
+    return str(folder)
+
+
+def test_a_model_of_unknown_shape_skips_the_plan_in_one_line(tmp_path, capsys, monkeypatch):
+    """Remote code, or a config without a shape the plan needs (a Mamba has no attention heads), skips the plan with a
+    line saying why, in --dry_run and before a GPU start, instead of stopping the run."""
+    from transformers import MambaConfig
+
+    (tmp_path / "mamba").mkdir()
+    MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2).save_pretrained(tmp_path / "mamba")
+    for folder, why in [(unknown_model(tmp_path), r" is a 'my_own_lm' model, which transformers \S+ does not know "
+                                                  r"\(remote code is not run here\), so its sizes are unknown\.$"),
+                        (str(tmp_path / "mamba"), r": its config names no num_attention_heads, a shape the plan "
+                                                  r"needs\.$")]:
+        args = parse_args(ppo_ray.Args, ["--pretrain", folder])
+        memory_plan.dry_run(args)
+        out = capsys.readouterr().out.strip()
+        assert re.match(rf"^memory plan skipped: --pretrain {re.escape(folder)}{why}", out), out
+        memory_plan.preflight(args)
+        assert capsys.readouterr().out.startswith("memory plan skipped: ")
+
+
+@pytest.mark.parametrize("coef,estimator,reference", [(0.0, "grpo", False), (0.0, "dr_grpo", False),
+                                                      (0.001, "grpo", True), (0.05, "gae", True), (0.0, "gae", False)])
+def test_the_plan_counts_a_reference_exactly_when_ppo_ray_starts_one(coef, estimator, reference):
+    """The plan added a reference for GRPO and Dr. GRPO at --init_kl_coef 0, which ppo_ray.py never starts: a 70B
+    Dr. GRPO or DAPO run (beta 0) was refused for memory it would not use. Both now ask one predicate."""
+    name, _, flags = next(r for r in RECIPES if "70b" in r[0])
+    args = recipe_args(name, flags, init_kl_coef=coef, advantage_estimator=estimator, colocate_actor_ref=False)
+    planned = any("reference" in roles for _, roles in memory_plan.plan(args).values())
+    assert planned == reference == ppo_ray.uses_reference(args)
+    assert ppo_ray.uses_reference is memory_plan.uses_reference
