@@ -145,9 +145,20 @@ PACKING_IGNORED = ("opt", "falcon", "bloom", "mpt", "xglm", "biogpt", "minimax",
                    "recurrent_gemma", "rwkv")
 
 
-def check_packing(path: str, flag: str = "--pretrain") -> None:
+def check_packing(path: str, flag: str = "--pretrain", cuda: bool | None = None,
+                  attention: str | None = None) -> None:
     """Refuse --packing_samples for a model whose samples would attend to each other in a packed row, silently
-    mixing every packed loss (PACKING_IGNORED), from its config.json."""
+    mixing every packed loss (PACKING_IGNORED), from its config.json; and on a CUDA GPU where it would be slower
+    (check_packing_attention). `cuda` and `attention` default to what this process sees and would load with."""
+    import torch
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda and attention is None:
+        from common.deepspeed_utils import attention_implementation, use_bf16
+
+        attention = attention_implementation(torch.bfloat16 if use_bf16() else torch.float32)
+    check_packing_attention(cuda, attention)
     file = config_file(path)
     if file is None:
         return
@@ -157,6 +168,19 @@ def check_packing(path: str, flag: str = "--pretrain") -> None:
         raise UserError(f"{flag} {path} is a {model_type!r} model, whose attention does not restart at each "
                         f"sequence of a packed row: its packed samples would attend to each other. Leave out "
                         f"--packing_samples.")
+
+
+def check_packing_attention(cuda: bool, attention: str | None) -> None:
+    """Refuse --packing_samples on a CUDA GPU whose models would not run flash-attention 2. transformers 5.19's sdpa
+    and eager paths turn a packed row's restarting position_ids into a dense (total, total) mask
+    (masking_utils.find_packed_sequence_indices, packed_sequence_mask_function): 8 x 2k tokens cost a 16k x 16k mask
+    and its attention, more than the padding packing saves. flash-attention's varlen kernels take each sequence's
+    bounds instead (modeling_flash_attention_utils). On CPU packing is left to the user (the tests pack tiny rows)."""
+    if cuda and attention != "flash_attention_2":
+        raise UserError(f"--packing_samples on a CUDA GPU needs flash-attention 2, and the models would load with "
+                        f"{attention}, for which transformers masks a packed row with one dense (tokens x tokens) "
+                        f"mask that costs more than the padding it saves; install flash-attn (pip install flash-attn "
+                        f"--no-build-isolation; bf16 GPUs, Ampere or later) or leave out --packing_samples.")
 
 
 def check_output_dir(path: str, flag: str = "--output_dir") -> None:

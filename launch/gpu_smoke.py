@@ -3,19 +3,27 @@
 The CPU test suite proves the GPU paths by simulation (tests/test_placement.py, tests/test_gpu_paths.py); this is
 the check on the real thing, a few minutes on a tiny model and the synthetic task:
 
-    sft       deepspeed --num_gpus 1 sft.py          bf16, NCCL, flash attention when installed
-    dpo       deepspeed --num_gpus 1 dpo.py          a frozen ZeRO-3 reference beside the policy
-    qlora     ... dpo.py --lora_rank --load_in_4bit   QLoRA: a 4-bit base (bitsandbytes), its adapters off as reference
-    ppo       python ppo_ray.py                      actor + reference on GPU 0, the vLLM engine on GPU 1 (NCCL sync)
-    ppo_all   python ppo_ray.py --colocate_all       everything on one GPU: vLLM's sleep mode, CUDA IPC sync
+    sft          deepspeed --num_gpus 1 sft.py       bf16, NCCL, flash attention when installed
+    dpo          deepspeed --num_gpus 1 dpo.py       a frozen ZeRO-3 reference beside the policy
+    qlora        ... dpo.py --lora_rank --load_in_4bit   QLoRA: a 4-bit base (bitsandbytes), its adapters off as reference
+    rm           deepspeed --num_gpus 1 rm.py        the reward model the critic stage scores with
+    ppo          python ppo_ray.py                   actor + reference on GPU 0, the vLLM engine on GPU 1 (NCCL sync)
+    ppo_all      python ppo_ray.py --colocate_all    everything on one GPU: vLLM's sleep mode, CUDA IPC sync
+    ppo_tp2      ... --colocate_all, 2 actor ranks, one engine at tensor parallel 2: IPC to one vLLM worker, NCCL to
+                 the other
+    ppo_critic   ... --advantage_estimator gae --reward_pretrain: critic and reward-model workers beside the actor
+    ppo_async    ... --async_rollouts               the engine on GPU 1 samples the next step while GPU 0 trains
+    ppo_packing  ... --packing_samples              the trainers' varlen flash-attention path
+    ppo_lora     ... --lora_rank 16                 adapters trained, merged into the engine at each sync
 
-Each stage prints "ok" with its time, or its log's last lines and the command to rerun it. `ppo` needs 2 GPUs and
-is skipped, saying so, on a machine with one.
+Each stage prints "ok" with its time, or its log's last lines and the command to rerun it. Stages that need 2 GPUs
+(NEEDS_GPUS) are skipped on a machine with one, and ppo_packing where flash-attn is not installed, each saying so.
 
     python launch/gpu_smoke.py --out out/gpu_smoke
 """
 
 import argparse
+import importlib.util
 import os
 import shlex
 import shutil
@@ -28,16 +36,21 @@ PY = sys.executable
 DEEPSPEED_1 = [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "1"]  # what `deepspeed --num_gpus 1` runs
 
 
-def commands(out: str, gpus: int) -> list[tuple[str, list[str]]]:
-    """(stage, command) in order; stages needing more GPUs than `gpus` are left out."""
+# Stages that place roles on separate GPUs; every other stage runs on one.
+NEEDS_GPUS = {"ppo": 2, "ppo_tp2": 2, "ppo_async": 2}
+
+
+def commands(out: str, gpus: int, flash_attn: bool = True) -> list[tuple[str, list[str]]]:
+    """(stage, command) in order; stages needing more GPUs than `gpus`, or flash-attn where it is missing, are left
+    out (skipped() says which and why)."""
     task = os.path.join(out, "task")
-    model, sft = os.path.join(out, "base"), os.path.join(out, "sft")
+    model, sft, rm = os.path.join(out, "base"), os.path.join(out, "sft"), os.path.join(out, "rm")
     data = {name: os.path.join(task, name + ".jsonl") for name in ("sft_train", "pref_train", "prompts_train")}
-    rule = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
+    rule = ["--reward_fn", os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn",
+            "--advantage_estimator", "grpo"]
     ppo = [PY, "ppo_ray.py", "--pretrain", sft, "--prompt_data", data["prompts_train"], "--apply_chat_template",
-           "--reward_fn", rule, "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4",
-           "--rollout_batch_size", "8", "--train_batch_size", "32", "--micro_train_batch_size", "8",
-           "--prompt_max_len", "64", "--generate_max_len", "8", "--max_steps", "2",
+           "--n_samples_per_prompt", "4", "--rollout_batch_size", "8", "--train_batch_size", "32",
+           "--micro_train_batch_size", "8", "--prompt_max_len", "64", "--generate_max_len", "8", "--max_steps", "2",
            "--vllm_gpu_memory_utilization", "0.3"]
     stages = [
         ("base", [PY, "-m", "common.tiny_model", "--out", model]),
@@ -52,11 +65,29 @@ def commands(out: str, gpus: int) -> list[tuple[str, list[str]]]:
                    "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_steps", "2",
                    "--lora_rank", "16", "--load_in_4bit", "--zero_stage", "2", "--output_dir",
                    os.path.join(out, "qlora")]),
+        ("rm", [*DEEPSPEED_1, "rm.py", "--pretrain", sft, "--dataset", data["pref_train"], "--apply_chat_template",
+                "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_steps", "2",
+                "--output_dir", rm]),
+        ("ppo", [*ppo, *rule, "--colocate_actor_ref"]),
+        ("ppo_all", [*ppo, *rule, "--colocate_all"]),
+        ("ppo_tp2", [*ppo, *rule, "--colocate_all", "--actor_num_workers", "2", "--vllm_tensor_parallel_size", "2"]),
+        ("ppo_critic", [*ppo, "--reward_pretrain", rm, "--advantage_estimator", "gae", "--colocate_all"]),
+        ("ppo_async", [*ppo, *rule, "--async_rollouts", "--colocate_actor_ref"]),
+        ("ppo_packing", [*ppo, *rule, "--packing_samples", "--colocate_all"]),
+        ("ppo_lora", [*ppo, *rule, "--lora_rank", "16", "--colocate_all"]),
     ]
-    if gpus >= 2:
-        stages.append(("ppo", [*ppo, "--colocate_actor_ref", "--output_dir", os.path.join(out, "ppo")]))
-    stages.append(("ppo_all", [*ppo, "--colocate_all", "--output_dir", os.path.join(out, "ppo_all")]))
-    return stages
+    return [(stage, cmd + (["--output_dir", os.path.join(out, stage)] if stage.startswith("ppo") else []))
+            for stage, cmd in stages if NEEDS_GPUS.get(stage, 1) <= gpus and (flash_attn or stage != "ppo_packing")]
+
+
+def skipped(gpus: int, flash_attn: bool) -> list[str]:
+    """A sentence for each stage commands() leaves out on this machine."""
+    lines = [f"{stage} skipped: it needs {needed} GPUs and this machine has {gpus}."
+             for stage, needed in NEEDS_GPUS.items() if needed > gpus]
+    if not flash_attn:
+        lines.append("ppo_packing skipped: --packing_samples on a GPU needs flash-attn, which is not installed "
+                     "(pip install flash-attn --no-build-isolation).")
+    return lines
 
 
 def main():
@@ -70,9 +101,10 @@ def main():
     gpus = torch.cuda.device_count()
     shutil.rmtree(args.out, ignore_errors=True)
     os.makedirs(args.out)
-    stages = commands(os.path.abspath(args.out), gpus)
-    if gpus < 2:
-        print("ppo (roles on separate GPUs) skipped: it needs 2 GPUs and this machine has 1.")
+    flash_attn = importlib.util.find_spec("flash_attn") is not None
+    stages = commands(os.path.abspath(args.out), gpus, flash_attn)
+    for line in skipped(gpus, flash_attn):
+        print(line)
     failed = []
     for stage, cmd in stages:
         log = os.path.join(args.out, stage + ".log")
@@ -80,11 +112,11 @@ def main():
         with open(log, "w") as f:
             code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
         if code == 0:
-            print(f"{stage:8} ok in {time.time() - start:.0f} s")
+            print(f"{stage:11} ok in {time.time() - start:.0f} s")
             continue
         with open(log) as f:
             tail = f.read().splitlines()[-25:]
-        print(f"{stage:8} FAILED (exit {code}); the end of {log}:\n  " + "\n  ".join(tail)
+        print(f"{stage:11} FAILED (exit {code}); the end of {log}:\n  " + "\n  ".join(tail)
               + f"\n  rerun: {shlex.join(cmd)}")
         failed.append(stage)
         if stage in ("base", "task", "sft"):  # every later stage starts from these

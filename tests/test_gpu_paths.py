@@ -5,7 +5,9 @@
 - flash-attention only in bf16/fp16, where its kernels run;
 - the experience phase's forwards run at --micro_rollout_batch_size, not the training micro-batch;
 - under `deepspeed ppo_ray.py` only the process of RANK 0 drives; the others exit 0 with one line;
-- the weight-sync group leaves out a vLLM worker on the trainer's own GPU, which takes CUDA IPC handles instead.
+- the weight-sync group leaves out a vLLM worker on the trainer's own GPU, which takes CUDA IPC handles instead;
+- --packing_samples is refused on a GPU without flash-attention 2 (a dense mask over the whole packed row);
+- `make gpu-smoke`'s stages use flags the scripts take, together.
 """
 
 import os
@@ -186,19 +188,83 @@ def test_cpu_workers_on_the_trainers_host_get_shared_memory_and_others_gloo():
     assert plan_transports({"node": "a", "gpu_ids": []}, workers) == ["shm", "gloo", "shm"]
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_gpu_smoke_commands_use_flags_the_scripts_have(gpus):
-    """`make gpu-smoke` runs on the first GPU machine, where a misspelt flag would be found too late."""
+@pytest.mark.parametrize("gpus,flash_attn", [(1, False), (2, True)])
+def test_gpu_smoke_commands_use_flags_the_scripts_have(gpus, flash_attn):
+    """`make gpu-smoke` runs on the first GPU machine, where a misspelt flag would be found too late. Stages needing
+    2 GPUs, or flash-attn for packing, are left out with a sentence each on a machine without them."""
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import gpu_smoke
 
     from test_launch import parser_for
 
-    stages = dict(gpu_smoke.commands("/out", gpus))
-    assert ("ppo" in stages) == (gpus >= 2) and "ppo_all" in stages and "--colocate_all" in stages["ppo_all"]
+    stages = dict(gpu_smoke.commands("/out", gpus, flash_attn))
+    two_gpus = {"ppo", "ppo_tp2", "ppo_async"}
+    assert two_gpus & set(stages) == (two_gpus if gpus >= 2 else set())
+    assert ("ppo_packing" in stages) == flash_attn
+    assert {"ppo_all", "ppo_critic", "ppo_lora", "rm"} <= set(stages) and "--colocate_all" in stages["ppo_all"]
+    skipped = gpu_smoke.skipped(gpus, flash_attn)
+    assert len(skipped) == len(gpu_smoke.commands("/out", 2, True)) - len(stages)
+    assert all(line.endswith(".") and " skipped: " in line for line in skipped), skipped
     for stage, cmd in stages.items():
         script = next((w[:-3] for w in cmd if w.endswith(".py")), None)
         if script is None:  # python -m common.tiny_model / common.synthetic_task
             continue
         flags = cmd[cmd.index(script + ".py") + 1:]
         parser_for(script).parse_args(flags)  # exits, failing the test, on a flag or value the script refuses
+
+
+def test_gpu_smoke_ppo_stages_pass_ppo_ray_s_flag_checks(tmp_path):
+    """Each PPO stage's flags together: ppo_ray.check_args (e.g. --async_rollouts refuses --colocate_all) and the
+    placement's own rule for --colocate_all, with folders standing in for the models the earlier stages write."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import gpu_smoke
+
+    from common.args import parse_args
+
+    out = tmp_path / "smoke"
+    for folder in ("sft", "rm"):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 2048}')
+    (out / "task").mkdir()
+    (out / "task" / "prompts_train.jsonl").write_text('{"prompt": "1 + 1"}\n')
+    for stage, cmd in gpu_smoke.commands(str(out), 2, True):
+        if "ppo_ray.py" not in cmd:
+            continue
+        args = parse_args(ppo_ray.Args, cmd[cmd.index("ppo_ray.py") + 1:])
+        ppo_ray.check_args(args)
+        assert not args.colocate_all or args.vllm_num_engines * args.vllm_tensor_parallel_size == \
+            args.actor_num_workers, stage
+        assert args.vllm_tensor_parallel_size == (2 if stage == "ppo_tp2" else 1)
+        assert (args.advantage_estimator == "gae") == (stage == "ppo_critic") and bool(args.reward_pretrain) == (
+            stage == "ppo_critic")
+
+
+def llama_folder(folder) -> str:
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return str(folder)
+
+
+def test_packing_on_a_gpu_without_flash_attention_is_refused(tmp_path, monkeypatch):
+    """transformers 5.19 masks a packed row under sdpa with one dense (tokens x tokens) mask
+    (masking_utils.packed_sequence_mask_function): on a GPU without flash-attn, --packing_samples was a slowdown.
+    It is refused there in one sentence; on CPU, and on a GPU that runs flash-attention 2, packing goes on."""
+    from common.args import UserError, check_packing
+
+    model = llama_folder(tmp_path)
+    check_packing(model, cuda=False, attention="sdpa")
+    check_packing(model, cuda=True, attention="flash_attention_2")
+    refusal = (r"^--packing_samples on a CUDA GPU needs flash-attention 2, and the models would load with sdpa, .* "
+               r"install flash-attn .* or leave out --packing_samples\.$")
+    with pytest.raises(UserError, match=refusal):
+        check_packing(model, cuda=True, attention="sdpa")
+    # what this process finds: a bf16 GPU, and flash-attn missing, then installed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: True)
+    monkeypatch.setattr(deepspeed_utils, "_has_flash_attn", lambda: False)
+    with pytest.raises(UserError, match=refusal):
+        check_packing(model)
+    monkeypatch.setattr(deepspeed_utils, "_has_flash_attn", lambda: True)
+    check_packing(model)
+    monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: False)  # a V100: fp32 models, where flash-attn cannot run
+    with pytest.raises(UserError, match=refusal):
+        check_packing(model)

@@ -355,22 +355,28 @@ def test_start_up_code_waits_on_ray_only_with_a_timeout():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_gpu_smoke_layouts_fit_the_gpus_it_runs_on(gpus, model, probes):
-    """`make gpu-smoke` (launch/gpu_smoke.py) places its PPO runs on a machine with 1 or 2 GPUs."""
+def test_gpu_smoke_layouts_fit_the_gpus_it_runs_on(model, probes):
+    """`make gpu-smoke` (launch/gpu_smoke.py) places each PPO layout on the fewest GPUs it runs on: 2 for the stages
+    with roles on separate GPUs (NEEDS_GPUS), 1 for the others."""
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import gpu_smoke
 
-    for stage, cmd in gpu_smoke.commands("/out", gpus):
-        if "ppo_ray.py" not in cmd:
-            continue
-        flags = cmd[cmd.index("ppo_ray.py") + 1:]
+    stages = {stage: cmd[cmd.index("ppo_ray.py") + 1:cmd.index("--output_dir")]
+              for stage, cmd in gpu_smoke.commands("/out", 2) if "ppo_ray.py" in cmd}
+    # Stages whose flags change what runs, not where, are not placed again: LoRA only leaves out the reference,
+    # which --colocate_all puts on the actor's own bundles.
+    same_layout = {"ppo_async": "ppo", "ppo_packing": "ppo_all", "ppo_lora": "ppo_all"}
+    for stage, like in same_layout.items():
+        assert set(stages.pop(stage)) - set(stages[like]) <= {"--async_rollouts", "--packing_samples", "--lora_rank",
+                                                              "16"}, stage
+    for stage, flags in stages.items():
         flags[flags.index("--pretrain") + 1] = "$SFT"
+        gpus = gpu_smoke.NEEDS_GPUS.get(stage, 1)
         cluster = start_cluster(1, gpus=gpus, cpus=4)
         try:
-            ranks, workers, transports = place(layout_args(flags, model))
+            args = layout_args(flags, model)
+            ranks, workers, transports = place(args)
         finally:
             stop_cluster(cluster)
-        used = {gpu(rep) for rep in ranks + workers}
-        assert len(used) == (1 if stage == "ppo_all" else 2), (stage, used)
-        assert transports == (["ipc"] if stage == "ppo_all" else ["nccl"]), (stage, transports)
+        assert len({gpu(rep) for rep in ranks + workers}) == gpus, stage
+        assert ("ipc" in transports) == args.colocate_all and len(transports) == args.vllm_tensor_parallel_size, stage
