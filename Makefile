@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup test test-fast demo gpu-smoke bench lint clean
+.PHONY: setup setup-real test test-fast test-real demo gpu-smoke bench lint clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,19 @@ test: setup
 # The tier for a quick check while editing: everything that does not run a script end to end (under 2 minutes).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The real-model tier: the scripts a few steps on SmolLM2-135M-Instruct (common/real_model.py builds it once into
+# .cache/, ~30 s), about 5 minutes; `make test` leaves it out (pytest.ini deselects the `real` marker).
+REAL_STAMP := $(VENV)/.installed-requirements-real
+setup-real: $(REAL_STAMP)
+
+$(REAL_STAMP): $(STAMP) requirements-real.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-real.txt -c constraints.txt
+	touch $@
+
+test-real: setup-real
+	$(PY) -m common.real_model
+	$(PY) -m pytest -q -m real
 
 demo: setup
 	$(PY) launch/demo.py --out out/demo

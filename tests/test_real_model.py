@@ -1,0 +1,151 @@
+"""The real-model tier (`make test-real`, or `pytest -m real` once requirements-real.txt is installed): the scripts a
+few steps on SmolLM2-135M-Instruct (common/real_model.py), a chat model no one here built, with what the tiny
+fixtures lack: a 49,152-token vocabulary, 30 layers, 9 query / 3 key-value heads, tied embeddings, and a chat
+template that adds a default system prompt. Left out of `make test` (pytest.ini deselects `real`): it costs about
+5 minutes on 2 cores, and a first run builds the model (~30 s).
+
+These tests check that the code holds on a real model, not that it learns: a few steps on tiny data.
+"""
+
+import os
+
+import pytest
+from conftest import ROOT, metrics, run_script
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+REWARD_FN = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
+# vllm/logprob_diff, the mean |vLLM log-prob - trainer log-prob| over sampled tokens: 8.9e-6 to 9.7e-6 at every step
+# of two runs of the GRPO test below (fp32, CPU; issue 40 saw ~9e-6, flat over 8 steps), while its 3 steps moved the
+# policy's log-probs by 5.9e-2 a token: a weight the sync left stale shows far above this margin.
+LOGPROB_DIFF_MARGIN = 5e-5
+
+
+@pytest.fixture(scope="module")
+def real_model() -> str:
+    from common.real_model import real_model_dir
+
+    try:
+        return real_model_dir()
+    except SystemExit as e:  # the optional packages are missing: say how to get them
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_model)
+
+
+def test_what_every_model_reads_holds_the_chat_templates_system_prompt(real_model, tokenizer, task):
+    """The SFT and preference samples, the prompts the policy continues and the texts the reward model scores are
+    rendered by the model's own template, default system prompt included; a reward is read at the end-of-turn token
+    the template closes the assistant's turn with (rm.py trains on what reward_model_input_ids gives)."""
+    from common import data
+
+    sft_rows = data.load_records(task["sft_train"])[:4]
+    pref_rows = data.load_records(task["pref_train"])[:4]
+    sft = data.build_sft_samples(sft_rows, tokenizer, task["sft_train"], "prompt", "response", 128,
+                                 apply_chat_template=True, log=lambda _: None)
+    pairs = data.build_preference_samples(pref_rows, tokenizer, task["pref_train"], "prompt", "chosen", "rejected",
+                                          128, apply_chat_template=True, log=lambda _: None)
+    prompt = data.render_prompt(tokenizer, pref_rows[0]["prompt"], True, None)
+    scored = data.reward_model_input_ids(tokenizer, pref_rows[0]["prompt"], pref_rows[0]["chosen"], 128, True)
+    for text in [tokenizer.decode(s["input_ids"]) for s in sft] + [
+            tokenizer.decode(p[side]["input_ids"]) for p in pairs for side in ("chosen", "rejected")] + [
+            prompt, tokenizer.decode(scored)]:
+        assert text.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"), text
+    trained = [t for s in sft for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
+    assert SYSTEM_PROMPT not in tokenizer.decode(trained)  # the loss is on the responses only
+    assert prompt.endswith("<|im_start|>assistant\n"), prompt
+    assert scored[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.decode(scored[-3:])
+
+
+def train(script: str, real_model: str, dataset: str, out: str, *extra: str) -> list[dict]:
+    """Three steps of `script` on the real model with its chat template; the run's metrics. (check=False: a trainer
+    starts no vLLM engine, and run_script's check for engines' leftover files would see other runs' on a shared
+    machine.)"""
+    result = run_script(f"{script}.py", ["--pretrain", real_model, "--dataset", dataset, "--apply_chat_template",
+                                         "--max_len", "96", "--train_batch_size", "4", "--micro_train_batch_size", "4",
+                                         "--max_steps", "3", "--logging_steps", "1", "--learning_rate", "1e-5",
+                                         "--output_dir", out, *extra], check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return metrics(out)
+
+
+@pytest.mark.parametrize("script", ["sft", "rm", "dpo"])
+def test_a_trainer_runs_on_the_real_model_and_saves_a_model_plain_transformers_loads(script, real_model, tokenizer,
+                                                                                     task, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    out = str(tmp_path / script)
+    rows = train(script, real_model, task["sft_train" if script == "sft" else "pref_train"], out)
+    losses = [m["train/loss"] for m in rows if "train/loss" in m]
+    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses), losses
+
+    saved_tokenizer = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    assert SYSTEM_PROMPT in saved_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "5"}], tokenize=False)
+    ids = saved_tokenizer(text.rstrip("\n"), return_tensors="pt").input_ids
+    if script == "rm":
+        model = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+        assert model.config.num_labels == 1
+        with torch.no_grad():
+            score = model(ids).logits
+        assert score.shape == (1, 1) and torch.isfinite(score).all(), (text, score)
+        return
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    start = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        trained, before = model(ids).logits, start(ids).logits
+    assert torch.isfinite(trained).all() and not torch.equal(trained, before)  # trained, and saved as trained
+
+
+BREVITY = """
+def reward_fn(prompts, responses, labels):
+    return [-len(response.split()) / 16 for response in responses]
+"""
+
+
+def mean_token_logprob_change(model_a: str, model_b: str, text: str) -> float:
+    """Mean |log p_a - log p_b| of each token of `text` under two saved models (plain transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_a)(text, return_tensors="pt").input_ids
+    logprobs = []
+    for path in (model_a, model_b):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]
+        logprobs.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]))
+    return (logprobs[0] - logprobs[1]).abs().mean().item()
+
+
+def test_grpo_on_the_real_model_keeps_vllm_on_the_trainers_log_probs(real_model, tokenizer, task, tmp_path):
+    """After each weight sync vLLM samples from the trainer's weights: vllm/logprob_diff stays at the float level
+    measured on this model (LOGPROB_DIFF_MARGIN); step 1 compares the weights both loaded from disk, the later steps
+    the synced ones (30 layers, tied embeddings). A reward for brevity varies within every group, so each step moves
+    the policy, by far more than the margin: a sync that left any weight stale would show."""
+    out, reward = str(tmp_path / "grpo"), tmp_path / "brevity.py"
+    reward.write_text(BREVITY)
+    run_script("ppo_ray.py", ["--pretrain", real_model, "--prompt_data", task["prompts_train"], "--apply_chat_template",
+                              "--output_dir", out, "--prompt_max_len", "64", "--generate_max_len", "16",
+                              "--reward_fn", f"{reward}:reward_fn", "--advantage_estimator", "grpo",
+                              "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
+                              "--micro_train_batch_size", "8", "--actor_learning_rate", "1e-5", "--init_kl_coef",
+                              "0.001", "--max_steps", "3"])
+    rows = [m for m in metrics(out) if "vllm/logprob_diff" in m]
+    diffs = [m["vllm/logprob_diff"] for m in rows]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12+13?"},
+                                          {"role": "assistant", "content": "12 + 13 = 25."}], tokenize=False)
+    moved = mean_token_logprob_change(real_model, out, text)  # the saved policy loads with plain transformers
+    print(f"vllm/logprob_diff by step: {diffs}; the policy moved by {moved:.2e} per token over "
+          f"{len(diffs)} steps; objective/kl by step: {[m.get('objective/kl') for m in rows]}")
+    assert len(diffs) == 3
+    assert max(diffs) < LOGPROB_DIFF_MARGIN, f"vLLM drifts from the trainer after the weight syncs: {diffs}"
+    assert moved > 10 * LOGPROB_DIFF_MARGIN, f"the policy barely moved ({moved:.2e}): the test checks no sync"
