@@ -46,7 +46,7 @@ from common.args import (UserError, check_causal_lm, check_lengths, check_model_
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
                                     init_train_engine, load_model, load_tokenizer, mpi_launch)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs, response_start, sequence_sums
+from common.modeling import next_token_logprobs, response_start, router_loss, sequence_sums
 
 
 @dataclass
@@ -301,7 +301,7 @@ def main(args: Args):
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch, widths)[step % steps_per_epoch]
         names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "chosen_logps", "rejected_logps", "pairs",
-                 "ref_seconds")  # sums over this step's pairs
+                 "ref_seconds", "aux_loss")  # sums over this step's pairs
         start, stats = time.time(), torch.zeros(len(names), device=device())
         # --nll_loss_coef: the chosen responses' token mean over the whole step, whatever its micro-batches and ranks
         chosen_tokens = torch.tensor(float(sum(sum(train_samples[i]["chosen"]["loss_mask"][1:])
@@ -321,11 +321,13 @@ def main(args: Args):
             if args.nll_loss_coef:  # (DeepSpeed averages the micro-batches and ranks: their shares, scaled back)
                 nll = -chosen_logps.sum() / chosen_tokens.clamp(min=1) * len(step_batches) * world_size
                 loss = loss + args.nll_loss_coef * nll
-            engine.backward(loss)
+            aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
+            engine.backward(loss + aux)
             engine.step()
             stats += torch.tensor([losses.sum().item(), chosen_rewards.sum().item(), rejected_rewards.sum().item(),
                                    (chosen_rewards > rejected_rewards).sum().item(), chosen_logps.sum().item(),
-                                   rejected_logps.sum().item(), len(indices), ref_seconds], device=stats.device)
+                                   rejected_logps.sum().item(), len(indices), ref_seconds, float(aux) * len(indices)],
+                                  device=stats.device)
         dist.all_reduce(stats)
         seconds, total = time.time() - start, dict(zip(names, stats.tolist()))
         pairs = total["pairs"]
@@ -336,6 +338,8 @@ def main(args: Args):
                    "logps/chosen": total["chosen_logps"] / pairs, "logps/rejected": total["rejected_logps"] / pairs,
                    "train/lr": lr, "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds,
                    "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
+        if total["aux_loss"]:
+            metrics["train/aux_loss"] = total["aux_loss"] / pairs
         if args.nll_loss_coef:  # the term added to train/loss, per chosen token
             metrics["train/nll_loss"] = -total["chosen_logps"] / max(chosen_tokens.item(), 1)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:

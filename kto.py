@@ -45,7 +45,7 @@ from common.args import (UserError, check_causal_lm, check_lengths, check_model_
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
                                     init_train_engine, load_model, load_tokenizer, mpi_launch)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs, response_start, sequence_sums
+from common.modeling import next_token_logprobs, response_start, router_loss, sequence_sums
 
 
 @dataclass
@@ -341,7 +341,7 @@ def main(args: Args):
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch)[step % steps_per_epoch]
         names = ("loss", "kl", "correct", "chosen_rewards", "chosen_logps", "chosen", "rejected_rewards",
-                 "rejected_logps", "rejected", "micro_batches", "ref_seconds")  # sums over this step's samples
+                 "rejected_logps", "rejected", "micro_batches", "ref_seconds", "aux_loss")  # sums over the step
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.max_len, args.packing_samples,
@@ -355,13 +355,13 @@ def main(args: Args):
             labels = batch["labels"]
             losses, rewards = kto_loss(logps, ref_logps, labels, kl, args.beta, args.desirable_weight,
                                        args.undesirable_weight)
-            loss = losses.mean()
-            engine.backward(loss)
+            aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
+            engine.backward(losses.mean() + aux)
             engine.step()
             correct = torch.where(labels, rewards > 0, rewards < 0)  # the implicit reward has the label's sign
             stats += torch.tensor([losses.sum().item(), kl.item(), correct.sum().item(), rewards[labels].sum().item(),
                                    logps[labels].sum().item(), labels.sum().item(), rewards[~labels].sum().item(),
-                                   logps[~labels].sum().item(), (~labels).sum().item(), 1, ref_seconds],
+                                   logps[~labels].sum().item(), (~labels).sum().item(), 1, ref_seconds, float(aux)],
                                   device=stats.device)
         dist.all_reduce(stats)
         seconds, total = time.time() - start, dict(zip(names, stats.tolist()))
@@ -375,6 +375,8 @@ def main(args: Args):
                    "objective/kl": total["kl"] / total["micro_batches"], "train/lr": lr,
                    "train/epoch": epoch, "perf/samples_per_sec": samples_seen / seconds,
                    "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
+        if total["aux_loss"]:
+            metrics["train/aux_loss"] = total["aux_loss"] / total["micro_batches"]
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:

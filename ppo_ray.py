@@ -80,7 +80,7 @@ from common.logging_utils import MetricsLogger, progress, timed
 from common.ray_workers import (RayWorker, WorkerDied, WorkerGroup, check_bundle_shares, check_resources, gather,
                                 make_placement_group, shard, share_cores, use_gpus, wait)
 from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
-                             scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
+                             router_loss, scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
                              unpack_next_token)
 from common.ppo_tricks import uses_reference  # the memory plan asks the same
 from common.vllm_engine import (COLOCATED_GPU_SHARE, EngineDied, SleepSchedule, collect, create_vllm_engines, generate,
@@ -763,7 +763,7 @@ class ActorWorker(ReferenceWorker):
 
     def fit(self, experience: dict, kl_coef: float, step: int) -> dict:
         """The PPO policy update on this rank's share of the experience, for --max_epochs passes, at PPO `step`."""
-        args, losses, means, on_policy = self.args, [], [], []  # means, on_policy: (metrics, mask) per micro-batch
+        args, losses, aux_losses, means, on_policy = self.args, [], [], [], []  # means, on_policy: (metrics, mask)
         micro_batches_per_step = args.max_epochs * -(-len(experience["input_ids"]) // args.micro_train_batch_size)
         self.use_cpu_threads("train")
         self.engine.train()
@@ -804,11 +804,14 @@ class ActorWorker(ReferenceWorker):
                     ptx_logits = self.engine(input_ids=ptx["input_ids"], attention_mask=ptx["attention_mask"]).logits
                     ptx_logprobs = token_logprobs(ptx_logits[:, :-1], ptx["input_ids"][:, 1:])
                     loss = loss - args.ptx_coef * tricks.masked_mean(ptx_logprobs, ptx["loss_mask"][:, 1:])
-                self.engine.backward(loss)
+                aux = router_loss(self.engine)  # mixture of experts: load balancing, where the config asks for it
+                self.engine.backward(loss + aux)
                 self.engine.step()
                 losses.append(loss.item())
+                aux_losses.append(float(aux))
         (update, update_weights), (sampled, sampled_weights) = batch_means(means), batch_means(on_policy)
-        return {"policy/loss": sum(losses) / len(losses), "policy/lr": lr, **update, **sampled,
+        aux_loss = {"policy/aux_loss": sum(aux_losses) / len(aux_losses)} if any(aux_losses) else {}
+        return {"policy/loss": sum(losses) / len(losses), "policy/lr": lr, **update, **sampled, **aux_loss,
                 "weights": {**update_weights, **sampled_weights}}
 
     @torch.no_grad()

@@ -47,7 +47,7 @@ from common.args import (UserError, check_decoder_only, check_lengths, check_mod
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer, mpi_launch)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import packed_sequence_rewards, sequence_rewards
+from common.modeling import packed_sequence_rewards, router_loss, sequence_rewards
 
 
 @dataclass
@@ -273,17 +273,18 @@ def main(args: Args):
         lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch, widths)[step % steps_per_epoch]
-        names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "pairs")  # sums over this step's pairs
+        names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "pairs", "aux_loss")  # sums over the step
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
             chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
             losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"])
-            loss = losses.mean()
-            engine.backward(loss)
+            aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
+            engine.backward(losses.mean() + aux)
             engine.step()
             stats += torch.tensor([losses.sum().item(), chosen_rewards.sum().item(), rejected_rewards.sum().item(),
-                                   (chosen_rewards > rejected_rewards).sum().item(), len(indices)], device=stats.device)
+                                   (chosen_rewards > rejected_rewards).sum().item(), len(indices),
+                                   float(aux) * len(indices)], device=stats.device)
         dist.all_reduce(stats)
         seconds, total = time.time() - start, dict(zip(names, stats.tolist()))
         pairs = total["pairs"]
@@ -292,6 +293,8 @@ def main(args: Args):
                    "rewards/chosen": chosen_mean, "rewards/rejected": rejected_mean,
                    "rewards/margins": chosen_mean - rejected_mean,
                    "train/lr": lr, "train/epoch": epoch, "perf/pairs_per_sec": pairs / seconds}
+        if total["aux_loss"]:
+            metrics["train/aux_loss"] = total["aux_loss"] / pairs
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics.update(evaluate(engine, eval_samples, args, tokenizer, rank, world_size))
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:

