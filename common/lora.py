@@ -174,6 +174,34 @@ def _lora_layers(model) -> dict:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A}
 
 
+def _expert_adapters(layers: dict) -> dict:
+    """{peft name of the adapted parameter: (the name it has in the base model, its wrapper)} for LoRA on a
+    mixture of experts' fused (experts, ., .) weights, which peft adapts as parameters (`ParamWrapper`,
+    target_parameters; all-linear picks them under transformers 5): each wraps the module below it, so Mixtral's
+    `mlp.experts` adapts down_proj, its `mlp.experts.base_layer` gate_up_proj, of `mlp.experts.base_layer.base_layer`.
+    """
+    adapters = {}
+    for name, module in layers.items():
+        if getattr(module, "num_experts", 1) > 1 and hasattr(module, "parameter_name"):
+            base, inner = name, module
+            while hasattr(inner, "base_layer"):
+                base, inner = f"{base}.base_layer", inner.base_layer
+            plain = f"{name.removeprefix(PEFT_PREFIX).replace('.base_layer', '')}.{module.parameter_name}"
+            adapters[f"{base}.{module.parameter_name}"] = (name, plain, module)
+    return adapters
+
+
+def expert_delta(module, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """(alpha / r) B A for each expert of a fused experts weight, in fp32 and in the weight's own (experts, ., .)
+    layout: peft's ParamWrapper.get_delta_weight, from given (gathered) factors. A (experts x r, in) and
+    B (out, r x experts) hold each expert's factors side by side."""
+    experts = module.num_experts
+    a = lora_a.float().reshape(experts, -1, lora_a.shape[-1])  # (experts, r, in)
+    b = lora_b.float().reshape(lora_b.shape[0], -1, experts)  # (out, r, experts)
+    layout = "o r e, e r i -> e o i" if module._did_swap_in_out_features else "o r e, e r i -> e i o"
+    return module.scaling[ADAPTER] * torch.einsum(layout, b, a)
+
+
 def merged_state_dict(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """A full peft state dict (gathered, plain tensors) as the base model's state dict with the adapters merged in.
 
@@ -183,12 +211,18 @@ def merged_state_dict(state: dict[str, torch.Tensor], model) -> dict[str, torch.
     """
     model = getattr(model, "module", model)
     layers = _lora_layers(model)
+    experts = _expert_adapters(layers)
     merged = {}
     for key, tensor in state.items():
         name = key.removeprefix(PEFT_PREFIX)
         layer, _, param = name.rpartition(".")
         if ".lora_" in name or ".original_module." in name:
             continue  # folded into the base weight, or superseded by the trained copy
+        if key in experts:
+            wrapper, plain, module = experts[key]
+            a, b = state[f"{wrapper}.lora_A.{ADAPTER}.weight"], state[f"{wrapper}.lora_B.{ADAPTER}.weight"]
+            merged[plain] = (tensor.float() + expert_delta(module, a, b)).to(tensor.dtype)
+            continue
         if layer.endswith(".base_layer"):
             layer = layer.removesuffix(".base_layer")
             module = layers.get(PEFT_PREFIX + layer)
@@ -225,6 +259,13 @@ def iter_merged_params(model, everything_quantized: bool = False):
 
     model = getattr(model, "module", model)
     adapted = _lora_layers(model)
+    experts = _expert_adapters(adapted)
+    for wrapper, plain, module in experts.values():
+        params = [module.get_param(), module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight]
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(partitioned, enabled=bool(partitioned)):
+            yield plain, (params[0].float() + expert_delta(module, params[1], params[2])).to(params[0].dtype)
+    adapted = {name: m for name, m in adapted.items() if name not in {w for w, _, _ in experts.values()}}
     parents = {name.rpartition(".")[0] for name in adapted}
     is_2d = lambda p: len(getattr(p, "ds_shape", p.shape)) == 2  # a ZeRO-3 partitioned parameter's full shape
     for name, module in model.named_modules():

