@@ -333,14 +333,12 @@ def score(args: Args, prompts: list, labels: list, responses: list[list[str]], r
         p, r, labels_ = flat_prompts[batch], flat_responses[batch], flat_labels[batch]
         # A prompt + response fills at most the engine's context; its EOS may add one token.
         # each reward model reads the pair rendered with its own tokenizer's chat template, as rm.py trained it
-        sources = [rewards.reward_model_scores(model, rm_tokenizer, p, r, args.apply_chat_template,
-                                               args.input_template, args.reward_batch_size, args.max_model_len + 1)
-                   for model, rm_tokenizer in models]
-        if reward_fn:
-            sources.append(rewards.call_reward_fn(reward_fn, p, r, labels_))
-        if args.remote_rm_url:
-            sources.append(rewards.remote_reward(args.remote_rm_url, p, r, labels_))
-        total += rewards.combine_rewards(sources, weights, torch.float64).tolist()
+        model_scores = [rewards.reward_model_scores(model, rm_tokenizer, p, r, args.apply_chat_template,
+                                                    args.input_template, args.reward_batch_size,
+                                                    args.max_model_len + 1) for model, rm_tokenizer in models]
+        summed, _ = rewards.score_responses(model_scores, reward_fn, args.remote_rm_url, weights, p, r, labels_,
+                                            torch.float64)
+        total += summed.tolist()
         bar.update(len(r))
     bar.close()
     del models

@@ -100,7 +100,7 @@ def generation_limit(model_dir: str, prompts_file: str, settings: dict):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     n_prompts = settings["rollout_batch_size"]
     records = load_records(prompts_file)[:n_prompts * settings["steps"]]
-    texts = [render_prompt(tokenizer, r["prompt"], True, None) for r in records]  # as ppo_ray.py's load_prompts
+    texts = [render_prompt(tokenizer, r["prompt"], True, None) for r in records]  # as common/data.load_prompts
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     gpu = torch.cuda.is_available()
     llm = vllm.LLM(model=model_dir, seed=42, max_model_len=PROMPT_MAX_LEN + settings["generate_max_len"],
@@ -122,7 +122,7 @@ def generation_limit(model_dir: str, prompts_file: str, settings: dict):
 
 
 def micro_batches(batch: dict, size: int) -> list[dict]:
-    """Consecutive micro-batches of `size` rows, cut to the longest row in each, as ppo_ray.py's split() does."""
+    """Consecutive micro-batches of `size` rows, cut to the longest row in each, as common/model_worker.split does."""
     out = []
     for i in range(0, len(batch["input_ids"]), size):
         length = int(batch["attention_mask"][i:i + size].sum(1).max())

@@ -383,3 +383,67 @@ def load_train_state(engines: dict, ckpt_dir: str, rank: int, step: int | None =
     if os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def checkpoint_dir(args) -> str:
+    """Where a run's resumable checkpoints go: --ckpt_dir, else <output_dir>/checkpoints."""
+    return args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
+
+
+# ------------------------------------------------------------------------- a Ray driver's checkpoint (ppo_ray.py)
+# Each trained role saves its own DeepSpeed state under <ckpt_dir>/<role>; the driver's state file, written last, is
+# what commits the step, so a run killed at any moment resumes from the last step whose file was written.
+DRIVER_STATE = "driver_state.json"
+
+
+def driver_state(ckpt_dir: str) -> dict | None:
+    path = os.path.join(ckpt_dir, DRIVER_STATE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_driver_resume(ckpt_dir: str, settings: dict, max_steps: int) -> None:
+    """Refuse, before anything starts, to resume a checkpoint saved with other settings or past --max_steps."""
+    state = driver_state(ckpt_dir)
+    if state is None:
+        return
+    check_settings(state.get("settings"), settings, ckpt_dir)
+    if state["step"] > max_steps:  # no step would run, and the model saved would be the checkpoint's
+        raise UserError(f"{ckpt_dir} holds a run at step {state['step']}, past this run's end at --max_steps "
+                        f"{max_steps}; raise --max_steps to {state['step']} or more to resume it, or give another "
+                        f"--output_dir (or --ckpt_dir) to start anew.")
+
+
+def save_driver_checkpoint(ckpt_dir: str, groups: dict, step: int, state: dict, keep_last: int) -> None:
+    """Every trained role's worker group (`groups`, by name) saves its state, then the driver's state file commits
+    the step; only then are older checkpoints pruned."""
+    for name, group in groups.items():
+        group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
+    try:
+        write_atomically(os.path.join(ckpt_dir, DRIVER_STATE), json.dumps({"step": step, **state}))
+    except OSError as e:
+        raise stopped(f"could not write the checkpoint ({describe(e, ckpt_dir)})", step - 1, ckpt_dir) from None
+    for name in groups:  # a role's older step is what a stop before the line above resumes from
+        prune(os.path.join(ckpt_dir, name), step, keep_last)
+
+
+def load_driver_checkpoint(ckpt_dir: str, groups: dict) -> dict | None:
+    """Load the latest committed step into every trained role's workers; returns the driver's state, or None."""
+    import ray
+
+    state = driver_state(ckpt_dir)
+    if state is not None:
+        ray.get([ref for name, group in groups.items() for ref in
+                 group.call("load_state", os.path.join(ckpt_dir, name), state["step"])])
+    return state
+
+
+def stopped(why: str, step: int, ckpt_dir: str, error=UserError) -> UserError:
+    """The sentence a driven run ends with when a worker or engine died or the user stopped it: where it was, and
+    the last committed step (a checkpoint being written when it stopped is not committed)."""
+    state = driver_state(ckpt_dir)
+    done = state["step"] if state else None
+    where = f"the checkpoint of step {done} in {ckpt_dir} is intact" if done else "no checkpoint was saved"
+    return error(f"{why} at step {step + 1}; {where}. Rerun the same command to resume.")

@@ -9,8 +9,12 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
 
 
 class MetricsLogger:
@@ -109,3 +113,32 @@ def timed(timings: dict, name: str):
     start = time.time()
     yield
     timings[name] = time.time() - start
+
+
+def batch_means(per_micro_batch: list[tuple[dict, "torch.Tensor"]]) -> tuple[dict, dict]:
+    """Means over a whole batch of metrics each micro-batch gave as means over its own action mask: a mean over
+    responses (objective/kl) weighed by the micro-batch's responses, any other by its tokens (a plain mean of means
+    would weigh a token of a micro-batch of short responses more). Returns the means and each one's weight."""
+    import torch
+
+    means, weights = {}, {}
+    for key in per_micro_batch[0][0] if per_micro_batch else []:
+        counts = torch.tensor([float((mask.sum(-1) > 0).sum() if key == "objective/kl" else mask.sum())
+                               for _, mask in per_micro_batch])
+        values = torch.stack([metrics[key].detach().float().cpu() for metrics, _ in per_micro_batch])
+        means[key], weights[key] = (values * counts).sum() / counts.sum().clamp(min=1), counts.sum().item()
+    return means, weights
+
+
+def mean_over_ranks(ranks: list[dict]) -> dict:
+    """The workers' metrics averaged over their ranks, each weighed by its "weights" entry where a rank gives one
+    (the tokens or responses it averaged over), so that each token counts alike on any rank."""
+    import torch
+
+    weights = [rank.pop("weights", {}) for rank in ranks]
+    out = {}
+    for key in ranks[0]:
+        values = torch.stack([torch.as_tensor(rank[key], dtype=torch.float) for rank in ranks])
+        counts = torch.tensor([float(w.get(key, 1.0)) for w in weights])
+        out[key] = (values * counts).sum() / counts.sum() if counts.sum() > 0 else values.mean()
+    return out

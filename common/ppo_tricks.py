@@ -206,6 +206,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
     raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'.")
 
 
+# Advantage estimators that compare the samples of one prompt (they need --n_samples_per_prompt 2 or more).
+GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce++-baseline")
+
+
+def clip_range(args) -> tuple[float, float]:
+    """(low, high): the policy ratio is clipped to [1 - low, 1 + high] (--eps_clip_low/high, else --eps_clip)."""
+    low, high = args.eps_clip_low, args.eps_clip_high
+    return (args.eps_clip if low is None else low), (args.eps_clip if high is None else high)
+
+
 def uses_reference(args) -> bool:
     """Whether a run compares the policy with a reference model: a KL penalty in the reward or in the loss. At
     --init_kl_coef 0 there is none (the adaptive controller scales the coefficient, and 0 stays 0), whatever the

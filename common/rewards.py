@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -237,3 +238,25 @@ def combine_rewards(scores: list, weights: list[float], dtype: torch.dtype = tor
     for weight, source in zip(weights, scores):
         total += weight * torch.as_tensor(source, dtype=dtype)
     return total
+
+
+def score_responses(model_scores: list, reward_fn, remote_rm_url: str | None, weights: list[float], prompts: list,
+                    responses: list[str], labels: list, dtype: torch.dtype = torch.float) -> tuple[torch.Tensor, dict]:
+    """The weighted sum (combine_rewards) of every reward source's score of each response, and each source's scores
+    by name (rm0, rm1, ..., rule, remote). `model_scores`: the reward models' scores, computed by the caller."""
+    sources = {f"rm{i}": scores for i, scores in enumerate(model_scores)}
+    if reward_fn:
+        sources["rule"] = call_reward_fn(reward_fn, prompts, responses, labels)
+    if remote_rm_url:
+        sources["remote"] = remote_reward(remote_rm_url, prompts, responses, labels)
+    return combine_rewards(list(sources.values()), weights, dtype), sources
+
+
+def reward_model_batch(tokenizer, prompts: list, responses: list[str], apply_chat_template: bool,
+                       input_template: str | None) -> dict:
+    """What a reward model scores, right-padded: each prompt + response rendered and tokenized as rm.py renders its
+    pairs (data.reward_model_input_ids), not the policy's own tokens, which can differ at the seam (an input
+    template's trailing space) and at the end (a chat template's newline after its end-of-turn token)."""
+    rows = [{"input_ids": data.reward_model_input_ids(tokenizer, prompt, response, sys.maxsize, apply_chat_template,
+                                                      input_template)} for prompt, response in zip(prompts, responses)]
+    return data.pad_collate(rows, tokenizer.pad_token_id, keys=("input_ids",))

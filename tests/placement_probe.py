@@ -1,6 +1,6 @@
 """Stand-ins for ppo_ray.py's workers and vLLM engines that load no model and only report where Ray put them.
 
-tests/test_placement.py runs ppo_ray.place_roles with these: the real placement groups, shares, WorkerGroup and
+tests/test_placement.py runs placement.place_roles with these: the real placement groups, shares, WorkerGroup and
 create_vllm_engines code, on a Ray cluster of CPUs that pretends to have GPUs. Kept free of torch and ppo_ray
 imports, since every probe is a Ray worker process of its own and a simulated 16-GPU layout starts about twenty.
 """
@@ -46,7 +46,7 @@ class ProbeWorker(RayWorker):
 
 
 def probe_group(cls, pg, share, cpus_per_bundle, args=(), env=None, role=None, wait_until_ready=True):
-    """WorkerGroup as ppo_ray.place_roles builds it, with the model-loading class and arguments swapped out (they
+    """WorkerGroup as placement.place_roles builds it, with the model-loading class and arguments swapped out (they
     would import ppo_ray, torch and transformers in every probe process)."""
     group = WorkerGroup(ProbeWorker, pg, share, cpus_per_bundle, (role, share), env, role, wait_until_ready)
     group.bundles = list(range(len(pg.bundle_specs)))  # worker i sits on bundle i

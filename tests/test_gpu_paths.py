@@ -20,7 +20,8 @@ import torch
 from conftest import ROOT
 
 import ppo_ray
-from common import deepspeed_utils
+from common import deepspeed_utils, placement
+from common.model_worker import train_or_eval_config
 
 
 class CountingLM(torch.nn.Module):
@@ -119,7 +120,7 @@ def test_experience_forwards_use_the_rollout_micro_batch():
     worker = policy_worker(micro_train_batch_size=2)  # unset: the training micro-batch, as before
     worker.logprobs(batch(rows=8))
     assert worker.engine.forwards == 4
-    frozen = ppo_ray.train_or_eval_config(ppo_ray.Args(micro_train_batch_size=1, micro_rollout_batch_size=4), 2, False)
+    frozen = train_or_eval_config(ppo_ray.Args(micro_train_batch_size=1, micro_rollout_batch_size=4), 2, False)
     assert frozen["train_micro_batch_size_per_gpu"] == 4
 
 
@@ -128,10 +129,10 @@ def test_only_rank_zero_of_a_launcher_drives(monkeypatch, capsys):
     assert not ppo_ray.drives_the_run()
     out = capsys.readouterr().out.splitlines()
     assert out == ["ppo_ray.py: launcher rank 3 exits; the process of rank 0 drives the run, Ray starts the workers."]
-    for key in ppo_ray.LAUNCHER_VARIABLES:
+    for key in placement.LAUNCHER_VARIABLES:
         monkeypatch.setenv(key, "0" if "RANK" in key else "2")
     assert ppo_ray.drives_the_run()
-    assert not any(key in os.environ for key in ppo_ray.LAUNCHER_VARIABLES)  # Ray's workers must not inherit them
+    assert not any(key in os.environ for key in placement.LAUNCHER_VARIABLES)  # Ray's workers must not inherit them
     assert ppo_ray.drives_the_run()  # plain `python ppo_ray.py`: no RANK at all
 
 

@@ -73,7 +73,7 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
     question = "What is 2+3?"
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                          add_generation_prompt=True)
-    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as ppo_ray.py's load_prompts
+    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as common/data.load_prompts
     prompt = {"prompt": question, "ids": prompt_ids, "label": "5"}
     generate, calls = scripted_policy(tokenizer, [turn.format(answer) for answer in "475"], end=end)
 
@@ -136,7 +136,7 @@ def test_the_overlong_penalty_counts_the_environments_tokens_as_the_budget_does(
     assert sum(e["env_mask"]) < budget and e["reward"] == 1.0
     args = SimpleNamespace(env_fn="sum_env.py:make_env", n_samples_per_prompt=1, reward_clip=10.0,
                            generate_max_len=budget, overlong_buffer_len=4, overlong_penalty_factor=1.0)
-    scores, metrics = ppo_ray.score_rollouts(args, {}, [prompt], [[e]], tokenizer, None)
+    scores, metrics = ppo_ray.score(args, None, [prompt], [[e]], tokenizer, None)
     assert scores.tolist() == [0.0] and metrics["rewards/overlong_penalty"].item() == -1.0
 
 

@@ -93,7 +93,7 @@ def test_the_on_policy_update_equals_the_update_from_the_experience_phases_logpr
         out = str(tmp_path / f"{on_policy}.pt")
         mp.spawn(_actor_step, args=(free_port(), tiny_model, on_policy, out), nprocs=1, join=True)
         runs[on_policy] = torch.load(out)
-    for key in ("vllm/logprob_diff", "objective/kl", "vllm/is_capped", "policy/loss", "policy/clipfrac"):
+    for key in ("vllm/logprob_diff", "objective/kl", "vllm/is_capped", "loss/policy_avg", "policy/clipfrac_avg"):
         torch.testing.assert_close(torch.as_tensor(runs[True]["metrics"][key]),
                                    torch.as_tensor(runs[False]["metrics"][key]), atol=1e-6, rtol=1e-5, msg=key)
     assert runs[True]["metrics"]["vllm/logprob_diff"] > 1e-3  # the metric measured something

@@ -3,7 +3,7 @@
 Ray told that a node has 8 GPUs (`ray.init(num_gpus=8)`, or `ray.cluster_utils.Cluster` nodes for two) schedules
 fractional GPU requests and sets each actor's CUDA_VISIBLE_DEVICES as it does on real GPUs. Every ppo_ray.py
 layout of launch/ (read from the recipes themselves, so a changed recipe is checked as written) goes through the
-real ppo_ray.place_roles, WorkerGroup and create_vllm_engines with probes standing in for the models (see
+real placement.place_roles, WorkerGroup and create_vllm_engines with probes standing in for the models (see
 tests/placement_probe.py), and each rank reports node, bundle, CUDA_VISIBLE_DEVICES, LOCAL_RANK, RANK and its
 weight-sync transport. What a first GPU run would otherwise find out:
   - LOCAL_RANK names a device the worker can see (DeepSpeed calls torch.cuda.set_device(LOCAL_RANK));
@@ -31,11 +31,15 @@ from conftest import ROOT
 from test_launch import invocations, shell_text
 
 import ppo_ray
-from common import ray_workers, vllm_engine
+from common import placement, ray_workers, vllm_engine
 from common.args import UserError, parse_args
 from common.weight_sync import group_ranks
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def place_roles(args: ppo_ray.Args) -> placement.Cluster:
+    return placement.place_roles(args, 1, ppo_ray.ActorWorker, ppo_ray.CriticWorker)
 
 
 # ------------------------------------------------------------------------------------------------ layouts
@@ -94,8 +98,8 @@ def model(tmp_path) -> str:
 
 @pytest.fixture
 def probes(monkeypatch):
-    """ppo_ray.place_roles with probe workers and engines, and start-up timeouts short enough for a test."""
-    monkeypatch.setattr(ppo_ray, "WorkerGroup", placement_probe.probe_group)
+    """placement.place_roles with probe workers and engines, and start-up timeouts short enough for a test."""
+    monkeypatch.setattr(placement, "WorkerGroup", placement_probe.probe_group)
     monkeypatch.setattr(vllm_engine, "VLLMEngine", placement_probe.ProbeEngine)
     monkeypatch.setattr(ray_workers, "PLACE_TIMEOUT_S", 180)  # probes start in seconds, on a busy CPU in a minute
     monkeypatch.setattr(ray_workers, "SETUP_TIMEOUT_S", 180)
@@ -129,20 +133,18 @@ def stop_cluster(cluster) -> None:
         cluster.shutdown()
 
 
-def collect(roles: dict) -> tuple[list[dict], list[dict], list[str]]:
+def collect(cluster: placement.Cluster) -> tuple[list[dict], list[dict], list[str]]:
     """(every trainer-side rank's report with its role and bundle, every vLLM worker's report with its engine,
     the weight-sync transport to each vLLM worker as actor rank 0 plans it)."""
-    groups = [(name, g) for name, g in roles.items() if name not in ("rewards", "engines", "engine_sleep")]
-    groups += [(f"reward model {i + 1}", g) for i, g in enumerate(roles["rewards"])]
     ranks = []
-    for name, group in groups:
+    for name, group in cluster.groups().items():
         for bundle, rep in zip(group.bundles, ray.get(group.call("report"), timeout=60), strict=True):
             ranks.append({**rep, "role": name, "bundle": bundle})
     workers = []
-    for i, engine in enumerate(roles["engines"]):
+    for i, engine in enumerate(cluster.engines):
         for tp_rank, rep in enumerate(ray.get(engine.placement.remote(), timeout=60)):
             workers.append({**rep, "role": f"vLLM engine {i}", "tp_rank": tp_rank})
-    transports = ray.get(roles["actor"].actors[0].plan_weight_sync.remote(roles["engines"]), timeout=120)
+    transports = ray.get(cluster.actor.actors[0].plan_weight_sync.remote(cluster.engines), timeout=120)
     return ranks, workers, transports
 
 
@@ -182,21 +184,21 @@ def check_layout(ranks: list[dict], workers: list[dict], transports: list[str]) 
 
 
 def place(args: ppo_ray.Args) -> tuple[list[dict], list[dict], list[str]]:
-    roles = ppo_ray.place_roles(args, 1)
-    ranks, workers, transports = collect(roles)
+    cluster = place_roles(args)
+    ranks, workers, transports = collect(cluster)
     check_layout(ranks, workers, transports)
-    check_engines_sleep_first(args, roles)
+    check_engines_sleep_first(args, cluster)
     return ranks, workers, transports
 
 
-def check_engines_sleep_first(args: ppo_ray.Args, roles: dict) -> None:
+def check_engines_sleep_first(args: ppo_ray.Args, cluster: placement.Cluster) -> None:
     """Under --colocate_all every engine has gone to sleep (handing its GPU memory back) before any model loads:
     vLLM takes --vllm_gpu_memory_utilization of the GPU at start, which the models would otherwise not find."""
-    slept = [ray.get(engine.sleep_times.remote(), timeout=60) for engine in roles["engines"]]
+    slept = [ray.get(engine.sleep_times.remote(), timeout=60) for engine in cluster.engines]
     if not args.colocate_all:
         assert slept == [[] for _ in slept], slept
         return
-    groups = [g for name, g in roles.items() if name not in ("rewards", "engines", "engine_sleep")] + roles["rewards"]
+    groups = list(cluster.groups().values())
     first_load = min(t for g in groups for t in ray.get(g.call("started"), timeout=60))
     assert all(len(times) == 1 and times[0] < first_load for times in slept), (slept, first_load)
 
@@ -238,7 +240,7 @@ def test_layouts_were_found():
 def test_oversubscribed_bundles_are_refused_before_placing(flags, words, model):
     args = layout_args(flags, model)
     with pytest.raises(UserError) as e:
-        ppo_ray.check_colocation(args, ppo_ray.role_shares(args))
+        placement.check_colocation(args, placement.role_shares(args))
     message = str(e.value)
     assert all(w in message for w in words) and "give some of them GPUs of their own" in message, message
     assert message.count(". ") == 0 and message.endswith("."), message  # one sentence
@@ -261,7 +263,7 @@ def test_reward_models_on_gpus_of_their_own_and_each_rank_s_cpu_threads(model, p
                                "--reward_num_workers", "2", "--reward_pretrain", "$A", "$B"], model)
         with pytest.raises(UserError, match=r"needs 7 GPUs \(actor 1, reference 1, reward models 4, vLLM 1\) but "
                                             r"the Ray cluster has 4 \(4 free\)"):
-            ppo_ray.place_roles(crowded, 1)
+            place_roles(crowded)
         ranks, workers, transports = place(args)
     finally:
         stop_cluster(cluster)
@@ -279,7 +281,7 @@ def test_colocate_all_on_cpu_places_the_engines_on_the_shared_bundles(model, pro
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=RUNTIME_ENV,
              object_store_memory=80 * 2**20)
     try:
-        _, workers, transports = collect(ppo_ray.place_roles(args, 1))
+        _, workers, transports = collect(place_roles(args))
     finally:
         ray.shutdown()
     # one host: the engines are planned to copy their weights out of the trainer's shared memory
@@ -349,7 +351,7 @@ def test_start_up_code_waits_on_ray_only_with_a_timeout():
     start_up = (ray_workers.RayWorker, ray_workers.WorkerGroup, ray_workers.make_placement_group, ray_workers.wait)
     sources = {**{f"ray_workers.{part.__name__}": inspect.getsource(part) for part in start_up},
                "create_vllm_engines": inspect.getsource(vllm_engine.create_vllm_engines),
-               "ppo_ray.place_roles": inspect.getsource(ppo_ray.place_roles)}
+               "placement.place_roles": inspect.getsource(placement.place_roles)}
     unbounded = {where: calls for where, source in sources.items() if (calls := ray_gets_without_timeout(source))}
     assert not unbounded, f"start-up waits without a timeout: {unbounded}"
 

@@ -90,7 +90,7 @@ def test_ppo_with_a_critic_and_async_rollouts_raises_reward_and_accuracy(sft_mod
     # The critic trains every step. Its loss is no learning signal here: as the policy gets more answers right the
     # spread of the 0/1 returns grows, and over 12 steps the loss stayed near a constant prediction's (its last/first
     # ratio was 0.67-0.91 at lr 1e-4 and 1.36 at lr 3e-4).
-    assert len(log) == 12 and all(0 < m["critic/value_loss"] < 1 for m in log), [m["critic/value_loss"] for m in log]
+    assert len(log) == 12 and all(0 < m["loss/value_avg"] < 1 for m in log), [m["loss/value_avg"] for m in log]
     # One step of lag, exactly: step 1 was sampled by the weights the trainer starts from; from step 2 on each
     # rollout comes from the policy one update old. The engines take the new policy before sampling the next step,
     # except at step 7, whose policy they already took for step 6's evaluation.
@@ -127,7 +127,7 @@ def test_ppo_with_a_critic_runs_across_two_ray_nodes(sft_model, task, tmp_path):
     nodes = {n for role in ("actor", "ref", "critic") for n in placement[role]} | set(placement["vllm"])
     assert len(nodes) == 2 and placement["actor"] == placement["ref"], placement
     log = metrics(out)
-    assert [m["step"] for m in log if "critic/value_loss" in m] == [1, 2]
+    assert [m["step"] for m in log if "loss/value_avg" in m] == [1, 2]
     assert os.path.exists(os.path.join(out, "checkpoints", "critic", "step_2"))
 
 
@@ -192,11 +192,15 @@ def test_a_reward_model_scores_the_responses_as_rm_py_renders_its_pairs(tiny_mod
 def test_reward_sources_are_weighted_in_the_order_of_the_flags():
     """--reward_weights has one weight per source: reward models, then --reward_fn, then --remote_rm_url."""
     import ppo_ray
+    from common.placement import Cluster
     from common.synthetic_task import reward_fn
+    from common.tiny_model import build_tokenizer
 
-    prompts, responses, labels = ["What is 1 + 2?"] * 3, ["3", "4", "3"], ["3", "3", "3"]
+    tokenizer = build_tokenizer()
+    prompts = [{"prompt": "What is 1 + 2?", "ids": [], "label": "3"}] * 3
+    samples = [[{"token_ids": tokenizer(r, add_special_tokens=False)["input_ids"]}] for r in ("3", "4", "3")]
     args = ppo_ray.Args(reward_fn=REWARD_FN, reward_weights=[0.5], reward_clip=10.0)
-    total, parts = ppo_ray.score(args, {"rewards": []}, reward_fn, prompts, responses, labels)
+    total, parts = ppo_ray.score(args, Cluster(), prompts, samples, tokenizer, reward_fn)
     assert total.tolist() == [0.5, 0.0, 0.5] and abs(float(parts["rewards/rule"]) - 2 / 3) < 1e-6
 
 

@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import ppo_ray
-from common import lora
-from common.modeling import pack_rows, response_start, unpack, unpack_next_token
+from common import lora, model_worker
+from common.model_worker import ModelWorker
+from common.modeling import (entropy_from_logits, pack_rows, response_start, token_logprobs, unpack,
+                             unpack_next_token)
 from common.tiny_model import write_tiny_model
 
 PROMPT_LENS = [3, 7, 2, 5, 9, 4, 6, 2]
@@ -162,10 +164,10 @@ def test_packed_logprobs_and_entropy_equal_padded(model_dir, tokenizer, layout):
 
 
 def test_packed_logprobs_of_the_experience_pass_equal_padded(model_dir, tokenizer):
-    """ReferenceWorker.logprobs as the actor and reference run it: micro-batches, each trimmed and packed."""
+    """ModelWorker.logprobs as the actor and reference run it: micro-batches, each trimmed and packed."""
     batch = rollout_batch(tokenizer)
     engine = policy(model_dir)
-    padded, packed = (worker(ppo_ray.ReferenceWorker, engine, packing_samples=packing,
+    padded, packed = (worker(ModelWorker, engine, packing_samples=packing,
                              micro_train_batch_size=3).logprobs(batch) for packing in (False, True))
     assert packed.shape == batch["action_mask"].shape  # each micro-batch skips its own prompt columns
     assert_packed_equals_padded(packed, padded, batch["action_mask"].bool(), both_real(batch))
@@ -183,7 +185,7 @@ def test_packed_row_whose_sequences_see_each_other_gives_other_logprobs(model_di
             ids, position_ids, index = pack_rows(input_ids, attention_mask)
             return ids, torch.arange(ids.shape[1])[None], index
 
-        monkeypatch.setattr(ppo_ray, "pack_rows", counting_on)
+        monkeypatch.setattr(model_worker, "pack_rows", counting_on)
         leaked = worker(ppo_ray.ActorWorker, engine, packing_samples=True)._logprobs(batch)
     real = from_response(batch)
     torch.testing.assert_close(leaked[0][real[0]], padded[0][real[0]], rtol=0, atol=1e-5)  # sees nothing before it
@@ -213,7 +215,7 @@ def test_padded_logprobs_skip_the_prompt_columns_and_equal_the_full_logits(model
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"]).logits[:, :-1] / 0.7
-        full = (ppo_ray.token_logprobs(logits, batch["input_ids"][:, 1:]), ppo_ray.entropy_from_logits(logits))
+        full = (token_logprobs(logits, batch["input_ids"][:, 1:]), entropy_from_logits(logits))
         head_positions = []
         model.lm_head.register_forward_hook(lambda _, inputs, __: head_positions.append(inputs[0].shape[1]))
         lora_model = lora.wrap(model, ppo_ray.Args(lora_rank=4, lora_alpha=8), "CAUSAL_LM")  # B = 0: same logits
@@ -255,8 +257,8 @@ def test_policy_loss_gradients_equal_packed_and_padded(model_dir, tokenizer):
         metrics.append(actor.fit(exp, kl_coef=0.1, step=0))
         grads.append(engine.grads)
         engine.grads = []
-    assert metrics[0]["policy/clipfrac"] > 0  # the clip takes part
-    for key in ("policy/loss", "policy/clipfrac", "policy/approxkl", "objective/entropy"):
+    assert metrics[0]["policy/clipfrac_avg"] > 0  # the clip takes part
+    for key in ("loss/policy_avg", "policy/clipfrac_avg", "policy/approxkl_avg", "objective/entropy"):
         assert float(metrics[1][key]) == pytest.approx(float(metrics[0][key]), abs=1e-5), key
     assert len(grads[0]) == len(grads[1]) == 2
     for padded, packed in zip(*grads):
@@ -298,7 +300,7 @@ def test_value_loss_gradients_equal_packed_and_padded(model_dir, tokenizer):
                               max_epochs=1, value_clip=0.2).fit(exp))
         grads.append(engine.grads)
         engine.grads = []
-    assert metrics[1]["critic/value_loss"] == pytest.approx(metrics[0]["critic/value_loss"], abs=1e-5)
+    assert metrics[1]["loss/value_avg"] == pytest.approx(metrics[0]["loss/value_avg"], abs=1e-5)
     assert len(grads[0]) == len(grads[1]) == 2
     for padded, packed in zip(*grads):
         torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-5)

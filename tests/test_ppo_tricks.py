@@ -419,6 +419,8 @@ def test_every_ppo_trick_is_run_by_a_script():
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and not defined_here:
                 used.add(node.attr)
+            elif isinstance(node, ast.ImportFrom) and node.module == ppo_tricks.__name__ and not defined_here:
+                used.update(alias.name for alias in node.names)  # `from common.ppo_tricks import uses_reference`
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and defined_here:
                 used.add(node.func.id)
     assert not public - used, f"defined in common/ppo_tricks.py but run by no script: {sorted(public - used)}"

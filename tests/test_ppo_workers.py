@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import ppo_ray
 from common import data
+from common.model_worker import ModelWorker, split
 
 PAD_COLLATE = data.pad_collate  # the real one, which the ptx test wraps
 
@@ -153,7 +154,8 @@ def test_an_optimizer_steps_gradient_does_not_depend_on_how_its_batch_is_cut_int
         for name, grad in gradients[4].items():
             torch.testing.assert_close(gradients[micro][name], grad, rtol=1e-4, atol=1e-7, msg=f"{agg} {micro} {name}")
         # the logged means too: per token (entropy, vLLM's error), per response (the KL to the reference)
-        for name in ("objective/entropy", "vllm/logprob_diff", "objective/kl", "policy/clipfrac", "policy/loss"):
+        for name in ("objective/entropy", "vllm/logprob_diff", "objective/kl", "policy/clipfrac_avg",
+                     "loss/policy_avg"):
             assert float(metrics[micro][name]) == pytest.approx(float(metrics[4][name]), rel=1e-4), (micro, name)
 
 
@@ -185,12 +187,12 @@ def test_an_optimizer_steps_rows_are_cut_shortest_first_and_no_row_crosses_into_
     batch = experience_batch(tokenizer, lengths)
     batch["row"] = torch.arange(len(lengths))
     steps = [[0, 1, 2, 3], [4, 5, 6, 7]]  # without a shuffle, an optimizer step of 4 rows takes 4 rows in turn
-    micro = ppo_ray.split(batch, 2, sort_rows=4)
+    micro = split(batch, 2, sort_rows=4)
     assert [sorted(mb["row"].tolist()) for mb in micro] == [[1, 3], [0, 2], [5, 7], [4, 6]]
     padded = sum(mb["input_ids"].numel() for mb in micro)
-    unsorted = sum(mb["input_ids"].numel() for mb in ppo_ray.split(batch, 2))
+    unsorted = sum(mb["input_ids"].numel() for mb in split(batch, 2))
     assert (padded, unsorted) == (2 * (4 + 10 + 5 + 9), 2 * (10 + 7 + 9 + 8))
-    shuffled = ppo_ray.split(batch, 2, shuffle_seed=1, sort_rows=4)
+    shuffled = split(batch, 2, shuffle_seed=1, sort_rows=4)
     rows = [mb["row"].tolist() for mb in shuffled]
     assert sorted(sum(rows, [])) == list(range(8)), "a row was dropped or repeated"
     for mb in shuffled:  # trimmed to its own longest row, and that row whole
@@ -212,9 +214,9 @@ def test_experience_forwards_in_length_order_give_each_row_its_own_result(tiny_m
     results = {}
     for micro in (2, 1):
         args = ppo_ray.Args(micro_train_batch_size=micro, normalize_reward=False)
-        results[micro] = (worker(ppo_ray.ReferenceWorker, args, FakeEngine(policy), tokenizer).logprobs(batch),
+        results[micro] = (worker(ModelWorker, args, FakeEngine(policy), tokenizer).logprobs(batch),
                           worker(ppo_ray.CriticWorker, args, FakeEngine(critic), tokenizer).values(batch),
-                          worker(ppo_ray.RewardModelWorker, args, FakeEngine(critic), tokenizer).scores(batch))
+                          worker(ModelWorker, args, FakeEngine(critic), tokenizer).scores(batch))
     assert results[1][0].shape == batch["action_mask"].shape and results[1][2].shape == (5,)
     assert results[1][2].unique().numel() == 5, "the rows score alike: a mix-up would not show"
     mask = batch["action_mask"]  # beyond its end a row holds what its micro-batch's padding gave
@@ -307,7 +309,7 @@ def test_critic_from_reward_model_starts_on_the_normalised_reward_scale(tiny_mod
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1, dtype=torch.float32)
     rm.config.reward_mean, rm.config.reward_std = 0.7, 2.5
     args = ppo_ray.Args(micro_train_batch_size=4, normalize_reward=True)
-    reward_model = worker(ppo_ray.RewardModelWorker, args, FakeEngine(rm), tokenizer)
+    reward_model = worker(ModelWorker, args, FakeEngine(rm), tokenizer)
     critic = worker(ppo_ray.CriticWorker, args, FakeEngine(rm), tokenizer)
     batch = experience_batch(tokenizer, [3, 6])  # row 0 is shorter, so its last token has a value in the batch
 

@@ -20,6 +20,7 @@ import ppo_ray
 import rejection_sampling
 import rm
 from common import rewards
+from common.placement import Cluster
 from common.tiny_model import write_tiny_model
 
 # A response that starts with a word: byte-level BPE merges the space that ends the input template ("A: ") into it
@@ -72,8 +73,8 @@ def ppo_sequence(path, tmp_path, apply_chat_template) -> list[int]:
     trained = rm_training_sequence(path, tmp_path, apply_chat_template)
     assert tokenizer.decode(sequence) == tokenizer.decode(trained)
     assert (sequence == trained) == apply_chat_template, tokenizer.convert_ids_to_tokens(sequence)
-    response = tokenizer.decode(generated, skip_special_tokens=True)  # as score_rollouts decodes it
-    batch = ppo_ray.reward_model_batch(args, tokenizer, [PROMPT], [response])
+    response = tokenizer.decode(generated, skip_special_tokens=True)  # as ppo_ray.score decodes it
+    batch = rewards.reward_model_batch(tokenizer, [PROMPT], [response], args.apply_chat_template, args.input_template)
     return read_sequences(batch["input_ids"], batch["attention_mask"])[0]
 
 
@@ -138,7 +139,10 @@ def test_each_reward_model_reads_its_own_templates_rendering_not_the_policys(tmp
     policy_args = ppo_ray.Args(pretrain=os.path.join(default, "policy"), apply_chat_template=True,
                                reward_pretrain=[chatml, default])
     groups = [ScoringGroup(), ScoringGroup()]  # in --reward_pretrain's order
-    ppo_ray.score(policy_args, {"rewards": groups}, None, [PROMPT], [RESPONSE], [None])
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(default, "policy"))
+    response = [{"token_ids": tokenizer(RESPONSE, add_special_tokens=False)["input_ids"]}]
+    ppo_ray.score(policy_args, Cluster(rewards=groups), [{"prompt": PROMPT, "ids": [], "label": None}], [response],
+                  tokenizer, None)
     for group, path in zip(groups, (chatml, default)):  # (the one rank's share is padded with copies of the row)
         assert group.rows[0][0] == rm_training_sequence(path, tmp_path, True), path
     assert groups[0].rows != groups[1].rows, "the two templates render alike: no test"

@@ -1,0 +1,203 @@
+"""One DeepSpeed rank of a model as a Ray actor (ppo_ray.py's roles): load, log-probs, values, scores, save, weight
+sync to vLLM, and the cutting of a batch into micro-batches.
+
+The reference model and the reward models are this class as it is; ppo_ray.py's ActorWorker and CriticWorker add
+their `fit`, the PPO update. A scalar-head model (critic, reward model) loads as AutoModelForSequenceClassification
+with one label.
+"""
+
+import random
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from common import lora, rewards
+from common.checkpoint import load_train_state, save_hf_model, save_train_state
+from common.data import generation_stop_ids
+from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
+                                    load_model, load_tokenizer, trained_zero_stage)
+from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
+                             scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
+                             unpack_next_token)
+from common.ray_workers import RayWorker
+from common.weight_sync import (broadcast_weights_to_vllm, in_checkpoint_layout, init_weight_sync_group,
+                                iter_gathered_params)
+
+
+def micro_rollout(args) -> int:
+    """Rows per forward pass of the experience phase (--micro_rollout_batch_size, else --micro_train_batch_size)."""
+    return args.micro_rollout_batch_size or args.micro_train_batch_size
+
+
+def train_or_eval_config(args, world_size: int, trainable: bool) -> dict:
+    """The DeepSpeed config of a trained role, or of a frozen one (always ZeRO-3, optionally offloaded)."""
+    if trainable:
+        stage = trained_zero_stage(args.zero_stage, world_size, args.offload_optimizer, args.load_in_4bit)
+        return ds_config(stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                         args.grad_clip, args.offload_optimizer)
+    return ds_config(3, micro_rollout(args) * world_size, micro_rollout(args), world_size,
+                     offload_params=args.ref_offload, train=False)
+
+
+# ------------------------------------------------------------------------------------------- micro-batch cutting
+def split(batch: dict, size: int, shuffle_seed: int | None = None, sort_rows: int | None = None) -> list[dict]:
+    """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs.
+
+    shuffle_seed shuffles the rows first (each PPO epoch anew); sort_rows sorts each run of that many rows (an
+    optimizer step's) by length, so that short rows share micro-batches and pad less.
+    """
+    order = list(range(len(batch["input_ids"])))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    if sort_rows:
+        lengths = batch["attention_mask"].sum(1).tolist()
+        order = [i for start in range(0, len(order), sort_rows)
+                 for i in sorted(order[start: start + sort_rows], key=lengths.__getitem__)]
+    return [micro_batch(batch, order[i: i + size]) for i in range(0, len(order), size)]
+
+
+def micro_batch(batch: dict, rows: list[int]) -> dict:
+    """These rows of the batch on this worker's device, cut to the longest of them (the batch is right-padded)."""
+    idx = torch.tensor(rows)
+    length = int(batch["attention_mask"][idx].sum(1).max())
+    mb = {}
+    for key, value in batch.items():
+        value = value[idx]
+        if value.dim() == 2:
+            value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
+        mb[key] = value.to(device())
+    return mb
+
+
+def in_length_order(batch: dict, size: int, forward, width: int | None = None) -> torch.Tensor:
+    """forward(micro-batch) over micro-batches of `size` rows taken shortest first; the results back in the batch's
+    row order, on CPU, a (rows, seq) result zero-padded to `width` columns."""
+    order = torch.argsort(batch["attention_mask"].sum(1), stable=True)
+    outputs = [forward(micro_batch(batch, order[i: i + size].tolist())) for i in range(0, len(order), size)]
+    if width is not None:
+        outputs = [torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outputs]
+    return torch.cat(outputs).cpu()[torch.argsort(order)]
+
+
+# ------------------------------------------------------------------------------------------------------ the rank
+class ModelWorker(RayWorker):
+    """One rank of a model: the reference or a reward model as it is, the actor and critic with their `fit`."""
+
+    def setup(self, args, path: str, total_steps: int | None = None, learning_rate: float = 0.0,
+              scalar_head_flag: str | None = None):
+        """Load `path` as this rank's share of a ZeRO model: trained when `total_steps` is given, else frozen; with
+        `scalar_head_flag` (the flag that named it) as a model with a scalar head."""
+        trainable = total_steps is not None
+        self.args, self.ptx = args, None
+        self.rank, self.world_size, self.local_rank = init_distributed()
+        torch.manual_seed(args.seed)
+        config = train_or_eval_config(args, self.world_size, trainable)
+        head = ({"model_class": AutoModelForSequenceClassification, "num_labels": 1, "flag": scalar_head_flag}
+                if scalar_head_flag else {})
+        model = load_model(path, config, gradient_checkpointing=args.gradient_checkpointing and trainable,
+                           **head, **(lora.load_kwargs(args) if trainable else {}))
+        if trainable:  # with --lora_rank: adapters on the frozen model (a critic's scalar head trains whole)
+            model = lora.wrap(model, args, "SEQ_CLS" if scalar_head_flag else "CAUSAL_LM")
+        self.tokenizer = load_tokenizer(path)
+        if trainable:
+            self.engine = init_train_engine(model, config, learning_rate, args.weight_decay, total_steps,
+                                            args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
+        else:
+            self.engine = init_eval_engine(model, config)
+        if scalar_head_flag:
+            config = scalar_head_parts(self.engine)[0].config
+            if config.pad_token_id is None:  # transformers refuses a batch without one
+                config.pad_token_id = self.tokenizer.pad_token_id
+
+    def save_state(self, ckpt_dir: str, step: int) -> None:
+        save_train_state({"model": self.engine}, ckpt_dir, step, {"step": step}, self.rank,
+                         keep_last=None)  # pruned by the driver once it has committed the step
+
+    def load_state(self, ckpt_dir: str, step: int) -> None:
+        load_train_state({"model": self.engine}, ckpt_dir, self.rank, step)
+
+    def save_model(self, out_dir: str) -> None:
+        save_hf_model(self.engine, self.tokenizer, out_dir, self.rank,
+                      stop_ids=generation_stop_ids(self.tokenizer, self.args.apply_chat_template))
+
+    # --- log-probs (policy, reference)
+    def _logprobs(self, batch, with_entropy=False):
+        """Log-probs of each next token at --temperature, (batch, seq - 1), and with_entropy each next-token
+        distribution's entropy; 0 before the micro-batch's first response token, whose prompt needs no logits."""
+        start = 0
+        if self.args.packing_samples:  # (1, total) each; no attention_mask: the restarting position_ids cut it
+            input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])
+            attention_mask = None
+        else:
+            input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+            start = response_start(batch["action_mask"])
+        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
+        logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
+        outputs = [token_logprobs(logits, input_ids[:, start + 1:])]  # (rows, seq - 1 - start)
+        if with_entropy:
+            # Logged only at --entropy_coef 0: no graph, which would keep two fp32 (batch, seq, vocab) tensors
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.args.entropy_coef != 0):
+                outputs.append(entropy_from_logits(logits))
+        if self.args.packing_samples:
+            outputs = [unpack_next_token(o, position_ids, index, batch["input_ids"].shape) for o in outputs]
+        else:
+            outputs = [torch.nn.functional.pad(o, (start, 0)) for o in outputs]  # (rows, seq - 1)
+        return tuple(outputs) if with_entropy else outputs[0]
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        """Log-probs of each next token, (batch, seq - 1), in micro-batches of --micro_rollout_batch_size."""
+        self.use_cpu_threads("experience")
+        self.engine.eval()
+        return in_length_order(batch, micro_rollout(self.args), self._logprobs, batch["action_mask"].shape[1])
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: dict) -> torch.Tensor:
+        """With --lora_rank the reference is the actor's own frozen model, adapters off: no reference workers."""
+        with lora.reference(self.engine):
+            return self.logprobs(batch)
+
+    # --- scalar heads (critic, reward models)
+    def _normalizes(self) -> bool:
+        """Scores and values on the normalised reward scale: a model rm.py saved carries its reward mean and std; a
+        fresh head (a critic from --pretrain) has none and learns the scale itself."""
+        return self.args.normalize_reward and rewards.reward_model_normalizes(self.engine.module)
+
+    def _values(self, batch: dict) -> torch.Tensor:
+        """The value at each position that predicts a next token, (batch, seq - 1), aligned with the log-probs."""
+        if not self.args.packing_samples:
+            return token_values(self.engine, batch["input_ids"], batch["attention_mask"], self._normalizes())[:, :-1]
+        input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])  # (1, total) each
+        values = packed_token_values(self.engine, input_ids, position_ids, self._normalizes())  # (1, total)
+        return unpack(values, index, batch["input_ids"].shape)[:, :-1]
+
+    @torch.no_grad()
+    def values(self, batch: dict) -> torch.Tensor:
+        self.use_cpu_threads("experience")
+        self.engine.eval()
+        return in_length_order(batch, micro_rollout(self.args), self._values, batch["action_mask"].shape[1])
+
+    @torch.no_grad()
+    def scores(self, batch: dict) -> torch.Tensor:
+        """A reward model's score of each of rewards.reward_model_batch's rows, read at its last token, (batch,)."""
+        self.use_cpu_threads("experience")
+        self.engine.eval()
+        return in_length_order(batch, micro_rollout(self.args), lambda mb: sequence_rewards(
+            self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes()))
+
+    # --- weight sync (actor)
+    def init_weight_sync(self, engines: list) -> None:
+        self.sync_group = init_weight_sync_group(engines) if self.rank == 0 else None
+
+    def sync_weights(self, engines: list, everything_quantized: bool = False) -> dict:
+        """Every rank gathers ZeRO-3 shards (collective); rank 0 broadcasts them to the engines in buckets. With LoRA
+        only the adapted layers change, sent merged, W + (alpha / r) B A; `everything_quantized` adds every 4-bit
+        layer, dequantized (QLoRA's first sync)."""
+        params = (in_checkpoint_layout(lora.base_model(self.engine),
+                                       lora.iter_merged_params(self.engine, everything_quantized))
+                  if self.args.lora_rank else iter_gathered_params(self.engine))
+        if self.rank == 0:
+            return broadcast_weights_to_vllm(params, engines, self.sync_group, complete=not self.args.lora_rank)
+        for _ in params:
+            pass
+        return {}

@@ -1,0 +1,105 @@
+"""ppo_ray.py's flag and model checks, run before Ray starts: each mistake a user can make is one sentence."""
+
+from common import rewards
+from common.args import (UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
+                         check_output_dir, check_packing)
+from common.checkpoint import check_keep_last
+from common.deepspeed_utils import load_tokenizer
+from common.placement import critic_path
+from common.ppo_tricks import GROUPED, clip_range
+
+# Options --async_rollouts cannot overlap generation with training under, and why.
+ASYNC_CLASHES = {
+    "colocate_all": "the engines sleep while the models train on the same GPUs, so nothing could generate meanwhile",
+    "dynamic_sampling": "its later rounds need the first round's rewards before the step can train",
+    "env_fn": "its episodes alternate with the environment a turn at a time, on the driver",
+}
+
+
+def check_args(args) -> None:
+    """Catch flag mistakes before any worker starts."""
+    check_keep_last(args.keep_last_checkpoints)
+    if args.max_steps < 1:
+        raise UserError(f"--max_steps {args.max_steps} runs no PPO step; give 1 or more.")
+    if args.env_fn:
+        others = [flag for flag in ("reward_pretrain", "reward_fn", "remote_rm_url", "reward_weights")
+                  if getattr(args, flag)]
+        if others:
+            raise UserError(f"--env_fn's rewards score the episodes; leave out --{others[0]}, or --env_fn.")
+        if args.max_turns < 1:
+            raise UserError(f"--max_turns {args.max_turns} gives the policy no turn; give 1 or more.")
+    else:
+        rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
+    if args.reward_clip <= 0:
+        raise UserError(f"--reward_clip {args.reward_clip} must be above 0: rewards are clipped to [-clip, clip] "
+                        f"(10 is the default; a large bound such as 1e9 clips nothing).")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise UserError(f"--temperature {args.temperature} --top_p {args.top_p}: the trainer's log-probs divide "
+                        f"by the temperature and the policy must keep some tokens; give a temperature above 0 "
+                        f"(1.0 samples the policy as it is) and a top_p in (0, 1] (evaluation is greedy anyway).")
+    if args.kl_target is not None and not (args.kl_target > 0 and args.init_kl_coef > 0):
+        raise UserError(f"--kl_target {args.kl_target} with --init_kl_coef {args.init_kl_coef}: the adaptive "
+                        f"controller scales the coefficient up and down from --init_kl_coef, so both must be above "
+                        f"0 (e.g. --init_kl_coef 0.01 --kl_target 0.05).")
+    if args.advantage_estimator in GROUPED and args.n_samples_per_prompt < 2:
+        raise UserError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt; "
+                        f"set --n_samples_per_prompt to 2 or more.")
+    low, high = clip_range(args)
+    if not (0 < low < 1 and high > 0):
+        raise UserError(f"the policy ratio's clip range [1 - {low}, 1 + {high}] is empty or unbounded; give "
+                        f"--eps_clip (or --eps_clip_low and --eps_clip_high) between 0 and 1, e.g. 0.2.")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise UserError(f"--dual_clip {args.dual_clip} must be above 1 (3 is usual): it bounds the loss of a "
+                        f"negative-advantage token at dual_clip x its advantage.")
+    if not 0 <= args.overlong_buffer_len < args.generate_max_len:
+        raise UserError(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --generate_max_len "
+                        f"{args.generate_max_len} (a quarter of it is usual).")
+    if args.dynamic_sampling and args.advantage_estimator not in GROUPED:
+        raise UserError(f"--dynamic_sampling drops prompts whose responses all got the same reward, which teach "
+                        f"nothing only under a group baseline; use it with --advantage_estimator "
+                        f"{', '.join(GROUPED)}, not {args.advantage_estimator}.")
+    if args.dynamic_sampling_max_rounds < 1:
+        raise UserError(f"--dynamic_sampling_max_rounds {args.dynamic_sampling_max_rounds} leaves nothing to train "
+                        f"on; give 1 or more (3 is usual).")
+    for flag, why in ASYNC_CLASHES.items():
+        if args.async_rollouts and getattr(args, flag):
+            raise UserError(f"--async_rollouts cannot be used with --{flag}: {why}; leave out one of the two.")
+    if args.vllm_is_cap < 1:
+        raise UserError(f"--vllm_is_cap {args.vllm_is_cap} would down-weight tokens both policies agree on; give a "
+                        f"cap of 1 or more (2 is usual).")
+    rollout = args.rollout_batch_size * args.n_samples_per_prompt
+    if rollout % args.train_batch_size:
+        raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {rollout} responses must be a multiple "
+                        f"of --train_batch_size {args.train_batch_size}.")
+    for role in ("actor", "critic"):
+        workers = getattr(args, f"{role}_num_workers")
+        if rollout % (workers * args.micro_train_batch_size):
+            raise UserError(f"{rollout} responses per step do not split into {workers} {role} worker(s) x "
+                            f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
+    check_model_path(args.pretrain)
+    check_causal_lm(args.pretrain)
+    if args.packing_samples:  # the reward models score padded rows
+        check_packing(args.pretrain)
+        if args.advantage_estimator == "gae" and critic_path(args) != args.pretrain:  # the critic trains packed
+            check_packing(critic_path(args), "--critic_pretrain" if args.critic_pretrain else
+                          "--reward_pretrain (where the critic starts)")
+    check_output_dir(args.output_dir)
+    sequence = ("--prompt_max_len + --generate_max_len", args.prompt_max_len + args.generate_max_len,
+                "--prompt_max_len or --generate_max_len")
+    check_lengths(args.pretrain, *sequence)
+    for flag, path in [("--reward_pretrain", p) for p in args.reward_pretrain or []] + [
+            ("--critic_pretrain", args.critic_pretrain)]:
+        if path:
+            check_model_path(path, flag)
+            check_decoder_only(path, flag)
+            check_lengths(path, *sequence, flag)
+
+
+def check_tokenizers(args, tokenizer) -> None:
+    """Every model reads the actor's vocabulary, so every tokenizer must be the actor's; a reward model, which reads
+    pairs rendered with its own chat template, needs one with --apply_chat_template."""
+    for flag, path in [("--reward_pretrain", p) for p in args.reward_pretrain or []] + [
+            ("--critic_pretrain", args.critic_pretrain)]:
+        if path:
+            rewards.check_same_tokenizer(tokenizer, load_tokenizer(path, flag), f"--pretrain {args.pretrain}",
+                                         f"{flag} {path}", args.apply_chat_template and flag == "--reward_pretrain")
