@@ -1,4 +1,4 @@
-"""Direct preference optimization (DPO) and its IPO and conservative (cDPO) variants, with DeepSpeed ZeRO.
+"""Direct preference optimization (DPO), its variants (IPO, cDPO, hinge, robust) and the reference-free SimPO and ORPO.
 
 DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward Model") fits a
 policy to preference pairs with no reward model and no sampling: the reward is implicit,
@@ -17,9 +17,10 @@ Implementation details, where they happen below:
   - `--packing_samples` concatenates that batch into one row with no padding; position_ids restart at each sequence
     so that each one attends only to itself, and each sequence's log-prob is summed over its own span of the row
     (common/modeling.py: sequence_sums): the log-probs and the loss are identical to the padded ones;
-  - `--ipo` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences")
-    regresses the log-ratio margin onto 1 / (2 beta) instead of pushing it to infinity, so it does not overfit
-    preferences that are always the same way round;
+  - `--loss_type` picks the loss of a pair's margin (each function below names its paper): `sigmoid` is DPO's;
+    `ipo` regresses the margin onto 1 / (2 beta) instead of pushing it to infinity (`--ipo` says the same);
+    `hinge` is SLiC's; `robust` corrects DPO for labels flipped at the rate `--label_smoothing`; `simpo` and `orpo`
+    compare the policy's own length-normalised log-probs and load no reference model at all;
   - `--label_smoothing eps` is conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences"): each label
     is assumed wrong with probability eps;
   - `--nll_loss_coef` adds the token-mean NLL of the chosen responses (Pang et al. 2024, "Iterative Reasoning
@@ -140,30 +141,87 @@ class Args:
     """scale of the implicit reward beta * log(pi / pi_ref): the strength of the pull towards the reference"""
     label_smoothing: float = 0.0
     """conservative DPO: the assumed probability that a pair's preference is the wrong way round (0: plain DPO)"""
+    loss_type: str = "sigmoid"
+    """the loss of a pair: sigmoid (DPO), ipo, hinge (SLiC), robust (rDPO), simpo or orpo (both reference-free)"""
     ipo: bool = False
-    """use the IPO loss instead of DPO's"""
+    """the IPO loss: the same as --loss_type ipo (OpenRLHF's flag)"""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (with --loss_type simpo; the paper's beta is 2 to 2.5)"""
     nll_loss_coef: float = 0.0
-    """weight of an NLL loss on the chosen responses (0: none)"""
+    """weight of an NLL loss on the chosen responses (0: none; ORPO's own is 1)"""
     packing_samples: bool = False
     """pack each micro-batch into one row without padding"""
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # no reference model is loaded for these
+
+
 def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, beta: float, label_smoothing: float = 0.0, ipo: bool = False):
-    """DPO (or cDPO, or IPO) loss of each pair, and the implicit rewards of its chosen and rejected responses.
+             ref_rejected_logps: torch.Tensor, beta: float, label_smoothing: float = 0.0, loss_type: str = "sigmoid"):
+    """The loss of each pair's log-ratio margin h, and the implicit rewards of its chosen and rejected responses.
 
     Every argument is (pairs,): response log-probs summed over tokens. Returns (losses, chosen_rewards,
     rejected_rewards), each (pairs,); the rewards beta * log(pi / pi_ref) carry no gradient.
+      sigmoid: -log sigmoid(beta h) (Rafailov et al. 2023, eq. 7); with label_smoothing eps, cDPO's expectation
+               over a label flipped with probability eps (Mitchell 2023)
+      ipo:     (h - 1 / (2 beta))^2 (Azar et al. 2023, eq. 17)
+      hinge:   max(0, 1 - beta h) (SLiC-HF, Zhao et al. 2023, eq. 1, with beta as its 1 / delta)
+      robust:  ((1 - eps) (-log sigmoid(beta h)) - eps (-log sigmoid(-beta h))) / (1 - 2 eps), the unbiased loss
+               under labels flipped at rate eps (rDPO, Chowdhury et al. 2024, eq. 8)
     """
     chosen_logratios = policy_chosen_logps - ref_chosen_logps
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
     margins = chosen_logratios - rejected_logratios  # h in the IPO paper
-    if ipo:
+    eps = label_smoothing
+    if loss_type == "ipo":
         losses = (margins - 1 / (2 * beta)) ** 2
-    else:  # cDPO: the expected DPO loss when each label is flipped with probability label_smoothing
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * margins) - label_smoothing * F.logsigmoid(-beta * margins)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * margins)
+    elif loss_type == "robust":
+        losses = ((1 - eps) * -F.logsigmoid(beta * margins) + eps * F.logsigmoid(-beta * margins)) / (1 - 2 * eps)
+    else:
+        losses = -(1 - eps) * F.logsigmoid(beta * margins) - eps * F.logsigmoid(-beta * margins)
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def simpo_loss(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor, beta: float, gamma: float,
+               label_smoothing: float = 0.0):
+    """SimPO (Meng et al. 2024, eq. 6), reference-free: the reward is the length-normalised log-prob
+    beta / |y| log pi(y|x), and -log sigmoid(r_w - r_l - gamma) asks the chosen reward to lead by the margin gamma.
+    Arguments are (pairs,) per-token mean log-probs; returns (losses, chosen_rewards, rejected_rewards)."""
+    chosen_rewards, rejected_rewards = beta * chosen_avg_logps, beta * rejected_avg_logps
+    margins = chosen_rewards - rejected_rewards - gamma
+    losses = -(1 - label_smoothing) * F.logsigmoid(margins) - label_smoothing * F.logsigmoid(-margins)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+def orpo_loss(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor, beta: float):
+    """ORPO's odds-ratio term (Hong et al. 2024, eqs. 4-7), reference-free: -beta log sigmoid(log odds(y_w) -
+    log odds(y_l)), where odds(y) = P / (1 - P) of the per-token mean likelihood P = exp(mean log pi(y|x)) and beta is
+    the paper's lambda. ORPO's other term, the chosen responses' NLL, is added where --nll_loss_coef's is (at 1).
+    Arguments are (pairs,) per-token mean log-probs; returns (losses, chosen_rewards, rejected_rewards)."""
+    chosen, rejected = chosen_avg_logps.clamp(max=-1e-6), rejected_avg_logps.clamp(max=-1e-6)  # P < 1
+    log_odds = (chosen - rejected) - (torch.log(-torch.expm1(chosen)) - torch.log(-torch.expm1(rejected)))
+    return -beta * F.logsigmoid(log_odds), beta * chosen_avg_logps.detach(), beta * rejected_avg_logps.detach()
+
+
+def preference_losses(args, chosen_logps, rejected_logps, ref_logps, lengths):
+    """`args.loss_type`'s (losses, chosen_rewards, rejected_rewards) of a micro-batch's pairs, from their summed
+    log-probs (pairs,), the reference's (None for the reference-free losses) and the responses' token counts."""
+    if args.loss_type == "simpo":
+        return simpo_loss(chosen_logps / lengths[0], rejected_logps / lengths[1], args.beta, args.simpo_gamma,
+                          args.label_smoothing)
+    if args.loss_type == "orpo":
+        return orpo_loss(chosen_logps / lengths[0], rejected_logps / lengths[1], args.beta)
+    return dpo_loss(chosen_logps, rejected_logps, *ref_logps, args.beta, args.label_smoothing, args.loss_type)
+
+
+def response_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of each chosen and of each rejected response: (pairs,) each, at least 1."""
+    tokens = sequence_sums(batch["loss_mask"][:, 1:].float(), batch.get("position_ids"))  # (2 * pairs,)
+    return tokens.clamp(min=1).chunk(2)
 
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +237,27 @@ def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, to
     with torch.no_grad(), lora.reference(engine) if ref_engine is None else contextlib.nullcontext():
         return forward_logps(ref_engine or engine, batch)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
+
+
+def check_loss_type(args) -> None:
+    """Refuse a loss type and flags that do not go together, in one sentence; --ipo becomes --loss_type ipo."""
+    if args.ipo:
+        if args.loss_type not in ("sigmoid", "ipo"):
+            raise UserError(f"--ipo asks for the IPO loss but --loss_type is {args.loss_type}; give one of the two.")
+        args.loss_type = "ipo"
+    if args.loss_type not in LOSS_TYPES:
+        raise UserError(f"--loss_type {args.loss_type} is not one of {', '.join(LOSS_TYPES)}.")
+    if args.label_smoothing and args.loss_type not in ("sigmoid", "robust", "simpo"):
+        raise UserError(f"--label_smoothing is for the sigmoid, robust and simpo losses; leave it at 0 with "
+                        f"--loss_type {args.loss_type}.")
+    if args.loss_type == "robust" and not args.label_smoothing:
+        raise UserError("--loss_type robust corrects for labels flipped at the rate --label_smoothing; give that "
+                        "rate, in (0, 0.5).")
+    if args.loss_type in REFERENCE_FREE and (args.ref_pretrain or args.ref_offload):
+        raise UserError(f"--loss_type {args.loss_type} uses no reference model; leave out --ref_pretrain and "
+                        f"--ref_offload.")
+    if args.loss_type == "orpo" and args.nll_loss_coef:
+        raise UserError("ORPO's loss holds the chosen responses' NLL at weight 1 already; leave out --nll_loss_coef.")
 
 
 def collate(samples, tokenizer, packing: bool, dev) -> dict:
@@ -200,9 +279,9 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
         batch = collate(chunk, tokenizer, args.packing_samples, device())
-        losses, chosen_rewards, rejected_rewards = dpo_loss(*forward_logps(engine, batch),
-                                                            *ref_forward_logps(engine, ref_engine, batch), args.beta,
-                                                            args.label_smoothing, args.ipo)
+        ref_logps = None if args.loss_type in REFERENCE_FREE else ref_forward_logps(engine, ref_engine, batch)
+        losses, chosen_rewards, rejected_rewards = preference_losses(args, *forward_logps(engine, batch), ref_logps,
+                                                                     response_lengths(batch))
         stats += weight * torch.tensor([losses.sum().item(), (chosen_rewards > rejected_rewards).sum().item(),
                                         (chosen_rewards - rejected_rewards).sum().item(), len(chunk)], device=device())
     dist.all_reduce(stats)
@@ -225,8 +304,7 @@ def main(args: Args):
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
         raise UserError(f"--beta must be positive and --label_smoothing in [0, 0.5), got {args.beta} and "
                         f"{args.label_smoothing}.")
-    if args.ipo and args.label_smoothing:
-        raise UserError("--label_smoothing is conservative DPO's; leave it at 0 with --ipo.")
+    check_loss_type(args)
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
     launcher_rank = int(os.environ.get("RANK", mpi_launch()[1]))  # (mpirun and srun set no RANK)
@@ -241,11 +319,12 @@ def main(args: Args):
                 **checkpoint.run_settings(__file__, args, "pretrain", "ref_pretrain", "dataset", "beta",
                                           "learning_rate", "warmup_ratio", "min_lr_ratio", "input_key", "chosen_key",
                                           "rejected_key", "apply_chat_template", "input_template", "max_len",
-                                          "label_smoothing", "ipo", "nll_loss_coef")}
+                                          "label_smoothing", "loss_type", "simpo_gamma", "nll_loss_coef")}
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
     ref_pretrain = args.ref_pretrain or args.pretrain
-    if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
+    uses_reference = args.loss_type not in REFERENCE_FREE
+    if uses_reference and load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
         raise UserError(f"--ref_pretrain {ref_pretrain} has a different tokenizer from --pretrain {args.pretrain}; "
                         f"the reference model must share the policy's vocabulary (leave --ref_pretrain unset to "
                         f"use the starting policy).")
@@ -283,9 +362,9 @@ def main(args: Args):
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
     # With LoRA the reference is the policy's own frozen base model, adapters off: no second copy of the weights.
-    ref_engine = None if args.lora_rank and not args.ref_pretrain else init_eval_engine(
+    ref_engine = None if not uses_reference or args.lora_rank and not args.ref_pretrain else init_eval_engine(
         load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
-    if ref_engine is None:
+    if ref_engine is None and uses_reference:
         print_rank0(rank, "LoRA: the reference is the policy with its adapters off, not a second copy of its weights")
     state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
     start_step = state["step"]
@@ -294,6 +373,7 @@ def main(args: Args):
     logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
 
+    nll_coef = 1.0 if args.loss_type == "orpo" else args.nll_loss_coef  # ORPO's NLL term is its own
     bar = progress(total_steps, rank, "dpo", initial=start_step)
     for step in range(start_step, total_steps):
         epoch = step // steps_per_epoch
@@ -310,17 +390,16 @@ def main(args: Args):
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
             ref_start = time.time()
-            ref_chosen_logps, ref_rejected_logps = ref_forward_logps(engine, ref_engine, batch)
+            ref_logps = ref_forward_logps(engine, ref_engine, batch) if uses_reference else None
             get_accelerator().synchronize()  # GPU kernels run asynchronously: time the work, not its launch
             ref_seconds = time.time() - ref_start
             chosen_logps, rejected_logps = forward_logps(engine, batch)
-            losses, chosen_rewards, rejected_rewards = dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps,
-                                                                ref_rejected_logps, args.beta, args.label_smoothing,
-                                                                args.ipo)
+            losses, chosen_rewards, rejected_rewards = preference_losses(args, chosen_logps, rejected_logps,
+                                                                         ref_logps, response_lengths(batch))
             loss = losses.mean()
-            if args.nll_loss_coef:  # (DeepSpeed averages the micro-batches and ranks: their shares, scaled back)
+            if nll_coef:  # (DeepSpeed averages the micro-batches and ranks: their shares, scaled back)
                 nll = -chosen_logps.sum() / chosen_tokens.clamp(min=1) * len(step_batches) * world_size
-                loss = loss + args.nll_loss_coef * nll
+                loss = loss + nll_coef * nll
             aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
             engine.backward(loss + aux)
             engine.step()
@@ -340,7 +419,7 @@ def main(args: Args):
                    "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
         if total["aux_loss"]:
             metrics["train/aux_loss"] = total["aux_loss"] / pairs
-        if args.nll_loss_coef:  # the term added to train/loss, per chosen token
+        if nll_coef:  # the term added to train/loss, per chosen token
             metrics["train/nll_loss"] = -total["chosen_logps"] / max(chosen_tokens.item(), 1)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))

@@ -196,6 +196,19 @@ def test_reward_flags_that_cannot_work_are_refused(script, extra, words, tiny_mo
     check_refused(code, stderr, words, out)
 
 
+@pytest.mark.parametrize("extra,words", [
+    (["--loss_type", "dpo"], "--loss_type dpo is not one of sigmoid, ipo, hinge, robust, simpo, orpo"),
+    (["--loss_type", "robust"], "--loss_type robust corrects for labels flipped at the rate --label_smoothing"),
+    (["--loss_type", "simpo", "--ref_pretrain", "x"], "--loss_type simpo uses no reference model"),
+    (["--loss_type", "orpo", "--nll_loss_coef", "1"], "ORPO's loss holds the chosen responses' NLL"),
+    (["--ipo", "--loss_type", "hinge"], "--ipo asks for the IPO loss but --loss_type is hinge"),
+])
+def test_dpo_loss_flags_that_do_not_go_together_are_refused(extra, words, tiny_model, task, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    code, stderr = run_in_process("dpo", command("dpo", tiny_model, task, out, *extra), capsys)
+    check_refused(code, stderr, words, out)
+
+
 @pytest.mark.parametrize("script,flag", [("ppo_ray", "--reward_pretrain"), ("ppo_ray", "--critic_pretrain"),
                                          ("rejection_sampling", "--reward_pretrain")])
 def test_a_model_with_another_tokenizer_is_refused(script, flag, tiny_model, other_tokenizer_model, task, tmp_path,
