@@ -73,6 +73,12 @@ class Args:
     """PPO value clip range"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
     """how token losses are averaged: DAPO's token-mean, GRPO's seq-mean, Dr. GRPO's sum-norm (default for dr_grpo)"""
+    policy_loss: Literal["ppo", "gspo", "cispo", "gmpo", "sapo"] = "ppo"
+    """the policy-gradient loss: PPO's clip, or GSPO, CISPO, GMPO or SAPO (docs/ppo.md has each formula)"""
+    sapo_tau_pos: float = 1.0
+    """SAPO's gate temperature for tokens with a positive advantage"""
+    sapo_tau_neg: float = 1.05
+    """SAPO's gate temperature for tokens with a negative advantage"""
     init_kl_coef: float = 0.01
     """KL penalty coefficient (beta)"""
     kl_target: float | None = None
@@ -110,9 +116,14 @@ class Args:
     async_rollouts: bool = False
     """generate the next step's responses while this step trains (one step of policy lag, decoupled PPO)"""
     vllm_is_correction: bool = False
-    """weigh each token's policy loss by min(pi_trainer / pi_vllm, --vllm_is_cap): the sampler and trainer differ"""
+    """correct each token's policy loss for pi_trainer / pi_vllm, the sampler's and trainer's mismatch (--vllm_is_kind)"""
+    vllm_is_kind: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
+    """tis: weigh by the ratio capped at --vllm_is_cap; icepop: drop tokens whose ratio leaves [--vllm_is_floor, cap];
+    seq-mask-tis: tis, and drop responses whose mean log-ratio leaves that band"""
     vllm_is_cap: float = 2.0
-    """the cap of --vllm_is_correction's ratio"""
+    """the upper bound of the ratio (--vllm_is_correction)"""
+    vllm_is_floor: float = 0.5
+    """the lower bound of the ratio for icepop and seq-mask-tis"""
     # --- models and reward sources
     pretrain: str = ""
     """the policy to start from (usually the SFT model); also the reference model"""
@@ -280,28 +291,62 @@ def update_is_on_policy(args: Args) -> bool:
     return one_step and not args.async_rollouts and not kl_in_reward
 
 
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo")
+SEQUENCE_LEVEL = ("gspo", "gmpo")  # one ratio and one advantage per response
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
-                agg="token-mean", max_len=1, count=None):
-    """PPO's clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss; all tensors (batch, seq).
+                agg="token-mean", max_len=1, count=None, kind="ppo", sapo_tau=(1.0, 1.05)):
+    """The policy-gradient loss of `kind`, per token J_t aggregated by `agg`; all tensors (batch, seq), r_t =
+    pi(a_t) / pi_old(a_t). Returns (loss, clip fraction, approximate KL between the old and new policy).
 
-        J_t = min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),   r_t = pi(a_t) / pi_old(a_t)
-
-    A larger clip_high is DAPO's clip-higher (Yu et al. 2025); dual_clip = c > 1 bounds J_t below by c A_t where
-    A_t < 0 (Ye et al. 2020). `weights` multiply each token's J_t; `agg`, `count`: tricks.aggregate.
-    Returns (loss, clip fraction, approximate KL between the old and new policy).
+      ppo:   min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t) (Schulman et al. 2017, eq. 7); a larger clip_high
+             is DAPO's clip-higher (Yu et al. 2025); dual_clip = c > 1 bounds J_t below by c A_t where A_t < 0
+             (Ye et al. 2020)
+      gspo:  PPO's clip on the response's ratio s = exp(mean_t log r_t), with the response's advantage, in GSPO-token
+             form: s sg(...) r_t / sg(r_t), whose gradient is the sequence objective's (Zheng et al. 2025, eqs. 5-10)
+      cispo: sg(min(r_t, 1 + clip_high)) A_t log pi(a_t): the weight is clipped, never the token's gradient
+             (MiniMax-M1, 2025, eq. 4)
+      gmpo:  the geometric mean of the tokens' clipped objectives, A exp(mean_t sgn(A) min(sgn(A) log r_t,
+             sgn(A) clip(log r_t, -clip_low, clip_high))), clipped in log space (Zhao et al. 2025, eq. 5)
+      sapo:  a soft gate for the hard clip: (4 / tau) sigmoid(tau (r_t - 1)) A_t, tau = sapo_tau[0] where A_t > 0
+             else sapo_tau[1] (Gao et al. 2025, eq. 6); its gradient at r_t = 1 is PPO's
+    `weights` multiply each token's J_t (rollout corrections); `agg`, `count`: tricks.aggregate.
     """
+    valid = mask.bool()
     # padding may hold anything (another micro-batch's layout): an exp that overflows there makes the gradient NaN
-    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
-    ratio = log_ratio.exp()
-    surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
-    if dual_clip is not None:
-        surrogate = torch.where(advantages < 0, torch.max(surrogate, dual_clip * advantages), surrogate)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    approx_kl = tricks.masked_mean(0.5 * log_ratio.pow(2), mask)
+    if kind in SEQUENCE_LEVEL:
+        advantages = tricks.masked_mean(advantages, mask, dim=-1).unsqueeze(-1)  # (batch, 1): one per response
+    if kind == "gspo":
+        seq_log_ratio = tricks.masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # (batch, 1)
+        token_log_ratio = torch.where(valid, logprobs - logprobs.detach(), 0.0) + seq_log_ratio.detach()
+        ratio = token_log_ratio.clamp(max=10.0).exp()  # the value is s; the gradient flows through each token
+        surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+        clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+    elif kind == "gmpo":
+        sign = advantages.sign()
+        bounded = sign * torch.min(sign * log_ratio, sign * log_ratio.clamp(-clip_low, clip_high))
+        surrogate = advantages * tricks.masked_mean(bounded, mask, dim=-1).unsqueeze(-1).exp()
+        clipped = (log_ratio < -clip_low) | (log_ratio > clip_high)
+    else:
+        ratio = log_ratio.exp()
+        clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+        if kind == "cispo":
+            surrogate = ratio.clamp(max=1 + clip_high).detach() * advantages * logprobs
+            clipped = ratio > 1 + clip_high
+        elif kind == "sapo":
+            tau = torch.where(advantages > 0, sapo_tau[0], sapo_tau[1])
+            surrogate = 4 / tau * torch.sigmoid(tau * (ratio - 1)) * advantages
+        else:
+            surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+            if dual_clip is not None:
+                surrogate = torch.where(advantages < 0, torch.max(surrogate, dual_clip * advantages), surrogate)
     if weights is not None:
         surrogate = surrogate * weights
-    clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
-    approx_kl = 0.5 * log_ratio.pow(2)
-    return (-tricks.aggregate(surrogate, mask, agg, max_len, count), tricks.masked_mean(clipped, mask),
-            tricks.masked_mean(approx_kl, mask))
+    return (-tricks.aggregate(surrogate, mask, agg, max_len, count), tricks.masked_mean(clipped.float(), mask),
+            approx_kl)
 
 
 def loss_agg(args: Args) -> str:
@@ -318,12 +363,35 @@ def train_batch_count(micro_batches: list[dict], agg: str) -> torch.Tensor:
     return count
 
 
-def truncated_is_weights(old_logprobs, vllm_logprobs, mask, cap):
-    """Truncated importance sampling (Yao et al. 2025): vLLM sampled from pi_vllm, the loss assumes pi_old; weigh
-    each token by min(pi_old / pi_vllm, cap). Returns the weights (batch, seq), 0 outside the mask, and the fraction
-    of tokens where the cap binds."""
-    ratio = torch.where(mask.bool(), old_logprobs - vllm_logprobs, 0.0).exp()
-    return torch.where(mask.bool(), ratio.clamp(max=cap), 0.0), tricks.masked_mean((ratio > cap).float(), mask)
+def rollout_correction(kind, old_logprobs, vllm_logprobs, mask, low, high):
+    """Weights for each token's policy loss where vLLM sampled from pi_vllm and the loss assumes pi_old; all
+    (batch, seq), 0 outside the mask. Returns (weights, share of the tokens the correction capped or masked).
+
+      tis:          min(pi_old / pi_vllm, high) (truncated IS, Yao et al. 2025)
+      icepop:       1 where pi_old / pi_vllm is in [low, high], else 0: such tokens leave the loss (IcePop, Ling
+                    team 2025)
+      seq-mask-tis: tis, and a response whose ratio exp(mean_t log(pi_old / pi_vllm)) leaves [low, high] is left
+                    out whole (the sequence-masked TIS of OpenRLHF 0.11)
+    """
+    valid = mask.bool()
+    log_ratio = torch.where(valid, old_logprobs - vllm_logprobs, 0.0)
+    ratio = log_ratio.exp()
+    if kind == "icepop":
+        keep = (ratio >= low) & (ratio <= high) & valid
+        return keep.float(), tricks.masked_mean((~keep).float(), mask)
+    weights = torch.where(valid, ratio.clamp(max=high), 0.0)
+    if kind == "tis":
+        return weights, tricks.masked_mean((ratio > high).float(), mask)
+    seq_ratio = tricks.masked_mean(log_ratio, mask, dim=-1).exp().unsqueeze(-1)  # (batch, 1)
+    keep = ((seq_ratio >= low) & (seq_ratio <= high)).expand_as(mask) & valid
+    return torch.where(keep, weights, 0.0), tricks.masked_mean((~keep).float(), mask)
+
+
+def vllm_correction(args: Args, old_logprobs, vllm_logprobs, mask) -> tuple[torch.Tensor, dict]:
+    """--vllm_is_kind's weights, and its metric: vllm/is_capped (tis) or vllm/is_masked, the share of tokens."""
+    weights, share = rollout_correction(args.vllm_is_kind, old_logprobs, vllm_logprobs, mask, args.vllm_is_floor,
+                                        args.vllm_is_cap)
+    return weights, {"vllm/is_capped" if args.vllm_is_kind == "tis" else "vllm/is_masked": share}
 
 
 def value_loss(values, old_values, returns, mask, value_clip, count=None):
@@ -462,8 +530,8 @@ def make_experience(args: Args, cluster, prompts: list[dict], samples: list[list
         token_kl = tricks.kl_penalty(old_logprobs, experience.get("ref_logprobs", old_logprobs), args.kl_estimator)
         metrics.update(old_logprob_metrics(args, old_logprobs, experience, mask))
         if args.vllm_is_correction or args.async_rollouts:
-            experience["is_weights"], metrics["vllm/is_capped"] = truncated_is_weights(
-                old_logprobs, batch["vllm_logprobs"], mask, args.vllm_is_cap)
+            experience["is_weights"], correction = vllm_correction(args, old_logprobs, batch["vllm_logprobs"], mask)
+            metrics.update(correction)
     advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)
     experience.update(values=values, advantages=advantages, returns=returns)
     metrics.update({
@@ -525,11 +593,13 @@ class ActorWorker(ModelWorker):
                     mb["old_logprobs"] = logprobs.detach()
                     on_policy.append((old_logprob_metrics(args, mb["old_logprobs"], mb, mask), mask))
                     if args.vllm_is_correction:
-                        mb["is_weights"], on_policy[-1][0]["vllm/is_capped"] = truncated_is_weights(
-                            mb["old_logprobs"], mb["vllm_logprobs"], mask, args.vllm_is_cap)
+                        mb["is_weights"], correction = vllm_correction(args, mb["old_logprobs"], mb["vllm_logprobs"],
+                                                                       mask)
+                        on_policy[-1][0].update(correction)
                 loss, clipfrac, approx_kl = policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip,
-                    mb.get("is_weights"), agg, args.generate_max_len, count)
+                    mb.get("is_weights"), agg, args.generate_max_len, count, args.policy_loss,
+                    (args.sapo_tau_pos, args.sapo_tau_neg))
                 if args.advantage_estimator in KL_IN_LOSS and "ref_logprobs" in mb:  # GRPO's KL: k3, in the loss
                     kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3", mask)
                     loss = loss + kl_coef * tricks.aggregate(kl, mask, agg, args.generate_max_len, count)

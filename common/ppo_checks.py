@@ -48,6 +48,19 @@ def check_args(args) -> None:
     if not (0 < low < 1 and high > 0):
         raise UserError(f"the policy ratio's clip range [1 - {low}, 1 + {high}] is empty or unbounded; give "
                         f"--eps_clip (or --eps_clip_low and --eps_clip_high) between 0 and 1, e.g. 0.2.")
+    if args.policy_loss in ("gspo", "gmpo") and args.advantage_estimator == "gae":
+        raise UserError(f"--policy_loss {args.policy_loss} weighs each response by one ratio and one advantage, "
+                        f"and gae's advantages differ token by token; use it with --advantage_estimator grpo, "
+                        f"dr_grpo, rloo or reinforce++.")
+    if args.dual_clip is not None and args.policy_loss != "ppo":
+        raise UserError(f"--dual_clip bounds PPO's clipped objective; leave it out with --policy_loss "
+                        f"{args.policy_loss}.")
+    if min(args.sapo_tau_pos, args.sapo_tau_neg) <= 0:
+        raise UserError(f"SAPO's gate temperatures --sapo_tau_pos {args.sapo_tau_pos} and --sapo_tau_neg "
+                        f"{args.sapo_tau_neg} must be above 0 (1.0 and 1.05 in its paper).")
+    if not 0 < args.vllm_is_floor < 1:
+        raise UserError(f"--vllm_is_floor {args.vllm_is_floor} must be in (0, 1): tokens whose pi_trainer / pi_vllm "
+                        f"falls below it are dropped (0.5 is IcePop's).")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise UserError(f"--dual_clip {args.dual_clip} must be above 1 (3 is usual): it bounds the loss of a "
                         f"negative-advantage token at dual_clip x its advantage.")

@@ -79,8 +79,9 @@ def _actor_step(rank: int, port: int, path: str, on_policy: bool, out: str):
     if not on_policy:  # what make_experience does then
         experience["old_logprobs"] = logprobs
         metrics = ppo_ray.old_logprob_metrics(args, logprobs, experience, mask)
-        experience["is_weights"], metrics["vllm/is_capped"] = ppo_ray.truncated_is_weights(
-            logprobs, experience["vllm_logprobs"], mask, args.vllm_is_cap)
+        experience["is_weights"], correction = ppo_ray.vllm_correction(args, logprobs, experience["vllm_logprobs"],
+                                                                        mask)
+        metrics.update(correction)
     metrics.update(worker.fit(experience, 0.05, 0))
     torch.save({"state": gathered_state_dict(worker.engine.module, 0), "metrics": metrics}, out)
     exit_if_distributed(0)  # as the scripts end a rank: the interpreter's own exit aborts now and then

@@ -532,13 +532,85 @@ def test_truncated_importance_weights_worked_by_hand():
     old = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
     vllm = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]])  # ratios 1, e, e^-0.5; the last is not a response token
     mask = torch.tensor([[1, 1, 1, 0]])
-    weights, capped = ppo_ray.truncated_is_weights(old, vllm, mask, cap=2.0)
+    weights, capped = ppo_ray.rollout_correction("tis", old, vllm, mask, 0.5, 2.0)
     torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, math.exp(-0.5), 0.0]]))
     assert capped.item() == pytest.approx(1 / 3)
 
 
+# ------------------------------------------------------------------ the 2026 policy losses and rollout corrections
+def surrogate_and_grad(kind, log_ratios, advantage, clip=(0.2, 0.2), **kwargs):
+    """One response of len(log_ratios) tokens: -loss (the mean over its tokens) and d(-loss)/d log pi per token."""
+    logprobs = torch.tensor([log_ratios], requires_grad=True)
+    mask = torch.ones_like(logprobs)
+    loss, clipfrac, _ = ppo_ray.policy_loss(logprobs, torch.zeros_like(logprobs), torch.full_like(logprobs, advantage),
+                                            mask, *clip, kind=kind, **kwargs)
+    (-loss).backward()
+    return -loss.item(), logprobs.grad[0].tolist(), clipfrac.item()
+
+
+def test_gspo_clips_the_responses_ratio_and_gives_each_token_its_gradient():
+    """Log-ratios 0.1 and 0.3: the response's ratio s = e^0.2 = 1.221. Inside the clip range the objective is s and
+    each token's gradient is s / 2 (d s / d log pi_t, the sequence objective's); outside it, nothing moves."""
+    s = math.exp(0.2)
+    value, grad, clipfrac = surrogate_and_grad("gspo", [0.1, 0.3], 1.0, clip=(0.3, 0.3))
+    assert value == pytest.approx(s) and grad == pytest.approx([s / 2, s / 2]) and clipfrac == 0.0
+    value, grad, clipfrac = surrogate_and_grad("gspo", [0.1, 0.3], 1.0, clip=(0.2, 0.2))
+    assert value == pytest.approx(1.2) and grad == [0.0, 0.0] and clipfrac == 1.0
+    value, _, _ = surrogate_and_grad("gspo", [0.1, 0.3], -1.0, clip=(0.2, 0.2))
+    assert value == pytest.approx(-s)  # a negative advantage keeps the unclipped, worse value
+
+
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
+    """Ratios e^0.5 = 1.65 and 1, clip_high 0.2: PPO would drop the first token's gradient; CISPO weighs it 1.2."""
+    _, grad, clipfrac = surrogate_and_grad("cispo", [0.5, 0.0], 2.0)
+    assert grad == pytest.approx([1.2 * 2.0 / 2, 1.0 * 2.0 / 2]) and clipfrac == 0.5
+    _, ppo_grad, _ = surrogate_and_grad("ppo", [0.5, 0.0], 2.0)
+    assert ppo_grad[0] == 0.0
+
+
+def test_gmpo_is_the_geometric_mean_of_log_space_clipped_ratios():
+    """Log-ratios 0.5 and -0.1, clip 0.4 in log space: for A > 0 min(l, clip(l)) = 0.4, -0.1, so exp(0.15) A; for
+    A < 0 max(l, clip(l)) = 0.5, -0.1, so exp(0.2) A."""
+    value, _, clipfrac = surrogate_and_grad("gmpo", [0.5, -0.1], 1.0, clip=(0.4, 0.4))
+    assert value == pytest.approx(math.exp(0.15)) and clipfrac == 0.5
+    value, _, _ = surrogate_and_grad("gmpo", [0.5, -0.1], -2.0, clip=(0.4, 0.4))
+    assert value == pytest.approx(-2.0 * math.exp(0.2))
+
+
+def test_sapo_gates_softly_and_matches_ppos_gradient_on_policy():
+    """At r = 1 the gate (4 / tau) sigmoid(tau (r - 1)) has slope 1: the gradient is PPO's, A per token. Far off
+    policy the gradient fades instead of stopping: r = e^1 with A > 0 still moves, less than on policy."""
+    _, grad, _ = surrogate_and_grad("sapo", [0.0], 1.5)
+    assert grad == pytest.approx([1.5])
+    value, _, _ = surrogate_and_grad("sapo", [0.0], -1.0, sapo_tau=(1.0, 1.05))
+    assert value == pytest.approx(-4 / 1.05 * 0.5)  # the negative advantage's temperature
+    _, far, _ = surrogate_and_grad("sapo", [1.0], 1.0)
+    assert 0 < far[0] < math.e  # e * 4 sigmoid'(1) = 1.07 < PPO's unclipped e, > PPO's clipped 0
+
+
+def test_rollout_corrections_worked_by_hand():
+    """pi_old / pi_vllm of 0.4, 1 and 6, and a second response of ratios e^0.1 = 1.105: IcePop drops the tokens
+    outside [0.5, 5]; sequence-masked TIS with the band [0.8, 1.2] drops the first response whole (its geometric
+    mean is (0.4 x 6)^(1/3) = 1.34) and keeps the second's tokens, weighed by their ratio; TIS caps 6 at 2."""
+    old = torch.log(torch.tensor([[0.4, 1.0, 6.0], [1.0, 1.0, 1.0]]))
+    old[1] = 0.1
+    vllm = torch.zeros_like(old)
+    mask = torch.ones_like(old)
+    weights, masked = ppo_ray.rollout_correction("icepop", old, vllm, mask, 0.5, 5.0)
+    assert weights.tolist() == [[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]] and masked.item() == pytest.approx(2 / 6)
+    weights, masked = ppo_ray.rollout_correction("seq-mask-tis", old, vllm, mask, 0.8, 1.2)
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 0.0, 0.0], [math.exp(0.1)] * 3]))
+    assert masked.item() == pytest.approx(3 / 6)
+    weights, capped = ppo_ray.rollout_correction("tis", old, vllm, mask, 0.5, 2.0)
+    torch.testing.assert_close(weights[0], torch.tensor([0.4, 1.0, 2.0])) and capped.item() == pytest.approx(1 / 6)
+
+
 @pytest.mark.parametrize("flags,words", [
     ({"eps_clip_low": 1.0}, "clip range [1 - 1.0, 1 + 0.2] is empty"),
+    ({"policy_loss": "gspo"}, "gae's advantages differ token by token"),
+    ({"policy_loss": "sapo", "dual_clip": 3.0}, "leave it out with --policy_loss sapo"),
+    ({"policy_loss": "sapo", "sapo_tau_neg": 0.0}, "must be above 0 (1.0 and 1.05 in its paper)"),
+    ({"vllm_is_floor": 1.0}, "--vllm_is_floor 1.0 must be in (0, 1)"),
     ({"dual_clip": 0.5}, "--dual_clip 0.5 must be above 1"),
     ({"vllm_is_cap": 0.5}, "--vllm_is_cap 0.5 would down-weight"),
     ({"advantage_estimator": "reinforce++-baseline"}, "compares samples of the same prompt"),
@@ -610,12 +682,13 @@ def toy_learning(estimator: str, steps: int = 30, **flags) -> tuple[float, float
             kl = kl_penalty(old, logprobs_of(reference, tokens), "k1")
             advantages, _ = ppo_ray.compute_advantages(args, scores, kl, torch.zeros_like(old), mask, 0.001)
             # a sampler that differs from the trainer a little, as vLLM does, for --vllm_is_correction
-            weights, _ = ppo_ray.truncated_is_weights(old, old + 0.1 * torch.randn_like(old), mask, args.vllm_is_cap)
+            weights, _ = ppo_ray.vllm_correction(args, old, old + 0.1 * torch.randn_like(old), mask)
         for _epoch in range(2):
             loss, _, _ = ppo_ray.policy_loss(logprobs_of(logits, tokens), old, advantages, mask,
                                              *ppo_ray.clip_range(args), args.dual_clip,
                                              weights if args.vllm_is_correction else None, ppo_ray.loss_agg(args),
-                                             positions)
+                                             positions, kind=args.policy_loss,
+                                             sapo_tau=(args.sapo_tau_pos, args.sapo_tau_neg))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -626,6 +699,11 @@ def toy_learning(estimator: str, steps: int = 30, **flags) -> tuple[float, float
     ("gae", {}), ("reinforce++", {}), ("reinforce++-baseline", {}), ("grpo", {}), ("dr_grpo", {}), ("rloo", {}),
     ("grpo", {"loss_agg": "seq-mean-token-mean"}), ("grpo", {"loss_agg": "seq-mean-token-sum-norm"}),
     ("grpo", {"eps_clip_high": 0.28}), ("grpo", {"dual_clip": 3.0}), ("grpo", {"vllm_is_correction": True}),
+    ("grpo", {"policy_loss": "gspo", "eps_clip_low": 3e-4, "eps_clip_high": 4e-4}), ("grpo", {"policy_loss": "gspo"}),
+    ("grpo", {"policy_loss": "cispo", "eps_clip_high": 4.0}), ("grpo", {"policy_loss": "gmpo", "eps_clip": 0.4}),
+    ("grpo", {"policy_loss": "sapo"}), ("gae", {"policy_loss": "cispo"}), ("gae", {"policy_loss": "sapo"}),
+    ("grpo", {"vllm_is_correction": True, "vllm_is_kind": "icepop"}),
+    ("grpo", {"vllm_is_correction": True, "vllm_is_kind": "seq-mask-tis"}),
 ])
 def test_each_estimator_and_loss_option_learns_a_toy_problem(estimator, flags):
     """The sign, the baseline and the aggregation of every estimator and loss option, on a toy problem: the

@@ -107,6 +107,8 @@ def test_ptx_rows_walk_the_whole_set_across_steps_and_ranks_and_resume(tiny_mode
     ({"loss_agg": "seq-mean-token-mean"}, {"agg": "seq-mean-token-mean"}),
     ({"advantage_estimator": "dr_grpo"}, {"agg": "seq-mean-token-sum-norm"}),
     ({"vllm_is_correction": True}, {"weighted": True}),
+    ({"policy_loss": "gspo"}, {"kind": "gspo"}),
+    ({"policy_loss": "sapo", "sapo_tau_pos": 0.5, "sapo_tau_neg": 2.0}, {"kind": "sapo", "sapo_tau": (0.5, 2.0)}),
 ])
 def test_the_actor_update_hands_each_loss_option_to_the_loss(tiny_model, monkeypatch, flags, handed):
     """Each flag of the clipped objective reaches policy_loss from ActorWorker.fit. The loss's own tests (worked by
@@ -114,10 +116,11 @@ def test_the_actor_update_hands_each_loss_option_to_the_loss(tiny_model, monkeyp
     real, seen = ppo_ray.policy_loss, []
 
     def recording(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
-                  agg="token-mean", max_len=1, count=None):
+                  agg="token-mean", max_len=1, count=None, kind="ppo", sapo_tau=(1.0, 1.05)):
         seen.append({"clip": (clip_low, clip_high), "dual_clip": dual_clip, "weighted": weights is not None,
-                     "agg": agg, "max_len": max_len})
-        return real(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip, weights, agg, max_len, count)
+                     "agg": agg, "max_len": max_len, "kind": kind, "sapo_tau": sapo_tau})
+        return real(logprobs, old, advantages, mask, clip_low, clip_high, dual_clip, weights, agg, max_len, count,
+                    kind, sapo_tau)
 
     monkeypatch.setattr(ppo_ray, "policy_loss", recording)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -127,7 +130,8 @@ def test_the_actor_update_hands_each_loss_option_to_the_loss(tiny_model, monkeyp
     experience = experience_batch(tokenizer, [3, 2])
     del experience["old_logprobs"]  # on policy: fit computes them, and with --vllm_is_correction the IS weights
     worker(ppo_ray.ActorWorker, args, engine, tokenizer).fit(experience, 0.0, 0)
-    default = {"clip": (0.2, 0.2), "dual_clip": None, "weighted": False, "agg": "token-mean", "max_len": 8}
+    default = {"clip": (0.2, 0.2), "dual_clip": None, "weighted": False, "agg": "token-mean", "max_len": 8,
+               "kind": "ppo", "sapo_tau": (1.0, 1.05)}
     assert seen == [{**default, **handed}]
 
 
