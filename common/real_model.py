@@ -11,6 +11,7 @@ copied into a model built from the same config without the quantization. The fol
 """
 
 import argparse
+import filecmp
 import importlib.util
 import json
 import os
@@ -89,10 +90,15 @@ def main() -> None:
     folder = real_model_dir()
     with open(os.path.join(folder, STAMP)) as f:
         built = json.load(f)
-    if os.path.abspath(args.out) != folder:
-        shutil.copytree(folder, args.out, dirs_exist_ok=True)
-    print(f"{HUB_NAME} in {args.out}, from the {built['source']}"
-          f"{' (cached)' if cached else ''}; built in {built['seconds']} s.")
+    copied = os.path.join(args.out, STAMP)  # a copy of this build is complete: its stamp, copied last, is there
+    if os.path.abspath(args.out) != folder and not (
+            os.path.isfile(copied) and filecmp.cmp(os.path.join(folder, STAMP), copied, shallow=False)):
+        names = sorted(os.listdir(folder), key=lambda name: name == STAMP)
+        os.makedirs(args.out, exist_ok=True)
+        for name in names:
+            shutil.copy2(os.path.join(folder, name), os.path.join(args.out, name))
+    print(f"{HUB_NAME} in {args.out}, from the {built['source']}; built {'earlier, ' if cached else ''}in "
+          f"{built['seconds']} s.")
 
 
 if __name__ == "__main__":
