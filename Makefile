@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-real test test-fast test-real demo gpu-smoke bench lint clean
+.PHONY: setup setup-real test test-fast test-extended test-real demo gpu-smoke bench lint clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,11 @@ test: setup
 
 # The tier for a quick check while editing: everything that does not run a script end to end (under 2 minutes).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not real and not extended"
+
+# Longer runs of options the default run covers on toy problems (GSPO learning end to end, ~5 minutes).
+test-extended: setup
+	$(PY) -m pytest -q -m extended
 
 # The real-model tier: the scripts a few steps on SmolLM2-135M-Instruct (common/real_model.py builds it once into
 # .cache/, ~30 s), 14 minutes on 2 cores shared with other runs; `make test` leaves it out (pytest.ini deselects the

@@ -58,6 +58,22 @@ def test_grpo_with_the_rule_reward_raises_reward_and_accuracy(sft_model, task, t
 
 @pytest.mark.slow
 @pytest.mark.learning
+@pytest.mark.extended
+def test_gspo_on_the_grpo_recipe_learns(sft_model, task, tmp_path):
+    """GSPO with its paper's settings (clip 3e-4 / 4e-4 on the responses' ratios, a mean over responses, no KL) on
+    the GRPO recipe. Most responses are clipped after a rollout's first optimizer step, as the paper reports (15% of
+    tokens there; about 75% here, where each rollout takes four steps), and the policy still learns. Measured
+    (seeds 0 and 1): rollout reward 0.48 -> 0.80 and 0.50 -> 0.82 (last 4 steps), training-problem accuracy from the
+    SFT model's 0.57 to 1.0 on both. `make test-extended` runs it (5 minutes)."""
+    out = str(tmp_path / "gspo")
+    scores, log = learn(sft_model, task, out, "grpo", "--policy_loss", "gspo", "--eps_clip_low", "3e-4",
+                        "--eps_clip_high", "4e-4", "--loss_agg", "seq-mean-token-mean", "--init_kl_coef", "0")
+    assert all(0 < m["policy/clipfrac_avg"] < 1 for m in log[1:])
+    expect_learned("gspo", sft_model, task, out, scores)
+
+
+@pytest.mark.slow
+@pytest.mark.learning
 def test_grpo_with_lora_syncs_merged_weights_and_learns(sft_model, task, tmp_path):
     """GRPO with LoRA adapters on 2 ZeRO-3 actor ranks: no reference workers start (the actor with its adapters off
     is the reference), and each sync sends only the adapted layers, merged, yet vLLM samples from exactly the
