@@ -124,6 +124,11 @@ class Args:
     """the upper bound of the ratio (--vllm_is_correction)"""
     vllm_is_floor: float = 0.5
     """the lower bound of the ratio for icepop and seq-mask-tis"""
+    teacher_pretrain: str | None = None
+    """on-policy distillation: a frozen teacher sharing the tokenizer; each sampled token's advantage gains
+    --teacher_coef x (log pi_teacher - log pi), a reverse-KL reward, alone or beside the reward sources"""
+    teacher_coef: float = 1.0
+    """the weight of --teacher_pretrain's per-token reward"""
     # --- models and reward sources
     pretrain: str = ""
     """the policy to start from (usually the SFT model); also the reference model"""
@@ -471,6 +476,8 @@ def score(args: Args, cluster, prompts: list[dict], samples: list[list[dict]], t
     if args.env_fn:
         scores = torch.tensor([e["reward"] for e in episodes], dtype=torch.float)
         metrics = {"rewards/env": scores.mean(), "env/turns": sum(e["turns"] for e in episodes) / len(episodes)}
+    elif not (args.reward_pretrain or args.reward_fn or args.remote_rm_url):  # --teacher_pretrain's reward alone
+        scores, metrics = torch.zeros(len(episodes)), {}
     else:
         texts = [p["prompt"] for p, group in zip(prompts, samples) for _ in group]
         labels = [p["label"] for p, group in zip(prompts, samples) for _ in group]
@@ -512,6 +519,8 @@ def make_experience(args: Args, cluster, prompts: list[dict], samples: list[list
     ref_method = "reference_logprobs" if ref is actor else "logprobs"
     ref_logprobs = ref.call_sharded(ref_method, shard(batch, len(ref), micro)) if ref else None
     critic_values = critic.call_sharded("values", shard(batch, len(critic), micro)) if critic else None
+    teacher = cluster.teacher
+    teacher_logprobs = teacher.call_sharded("logprobs", shard(batch, len(teacher), micro)) if teacher else None
     scores, metrics = scored or score(args, cluster, prompts, samples, tokenizer, reward_fn)
     metrics = dict(metrics)
 
@@ -533,6 +542,10 @@ def make_experience(args: Args, cluster, prompts: list[dict], samples: list[list
             experience["is_weights"], correction = vllm_correction(args, old_logprobs, batch["vllm_logprobs"], mask)
             metrics.update(correction)
     advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)
+    if teacher:  # on-policy distillation: each sampled token's reverse-KL reward is its own advantage, undiscounted
+        distill = torch.where(mask.bool(), gather(teacher, teacher_logprobs, rows) - batch["vllm_logprobs"], 0.0)
+        advantages = advantages + args.teacher_coef * distill
+        metrics["distill/reverse_kl"] = -tricks.masked_mean(distill, mask)
     experience.update(values=values, advantages=advantages, returns=returns)
     metrics.update({
         "objective/scores": scores.mean(), "objective/advantages": tricks.masked_mean(advantages, mask),

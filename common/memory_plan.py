@@ -224,6 +224,13 @@ def plan(args) -> dict:
         put("actor" if shared else "reference", gpus, "reference",
             {**frozen(policy["params"], policy["largest_layer"], gpus, args.ref_offload),
              "logits": logits(rollout_micro)})
+    if getattr(args, "teacher_pretrain", None):  # on-policy distillation's teacher, placed as the reference is
+        teacher = sizes_of(args.teacher_pretrain, "--teacher_pretrain")
+        shared = args.colocate_actor_ref or args.colocate_all
+        gpus = n_actor if shared else args.ref_num_workers
+        put("actor" if shared else "teacher", gpus, "teacher",
+            {**frozen(teacher["params"], teacher["largest_layer"], gpus, args.ref_offload),
+             "logits": logits(rollout_micro)})
     critic_group = "actor" if args.colocate_all else "critic"
     critic_gpus = n_actor if args.colocate_all else args.critic_num_workers
     if use_critic:

@@ -7,6 +7,7 @@ each phase gets, placement.json).
       |- actor    workers (DeepSpeed ranks)  old log-probs, the clipped policy update, weight sync to vLLM
       |- critic   workers                    values, the clipped value update            (gae only)
       |- reference workers                   log-probs of the frozen SFT model           (KL penalty)
+      |- teacher   workers                   log-probs of a frozen teacher               (--teacher_pretrain)
       |- reward   workers, one group per RM  scores
 """
 
@@ -34,6 +35,7 @@ class Cluster:
     """What place_roles started: each role's worker group, and the vLLM engines with their sleep schedule."""
     actor: WorkerGroup | None = None
     ref: WorkerGroup | None = None
+    teacher: WorkerGroup | None = None
     critic: WorkerGroup | None = None
     rewards: list = field(default_factory=list)  # one group per reward model
     engines: list = field(default_factory=list)
@@ -44,7 +46,7 @@ class Cluster:
 
     def groups(self) -> dict:
         """Every role's worker group by name (the reward models' as `reward model i`)."""
-        named = {"actor": self.actor, "ref": self.ref, "critic": self.critic}
+        named = {"actor": self.actor, "ref": self.ref, "teacher": self.teacher, "critic": self.critic}
         return {**{k: g for k, g in named.items() if g}, **{f"reward model {i + 1}": g for i, g in
                                                             enumerate(self.rewards)}}
 
@@ -95,13 +97,14 @@ def role_shares(args) -> dict[str, float]:
     """The share of its bundle (a GPU, or --cpus_per_worker CPUs) that each worker of a role asks Ray for."""
     share = 0.2 if args.colocate_all else (0.5 if args.colocate_actor_ref else 1.0)
     beside_critic = 0.5 if args.colocate_critic_reward else share
-    return {"actor": share, "reference": share, "critic": beside_critic, "reward model": beside_critic,
-            "vLLM": COLOCATED_GPU_SHARE if args.colocate_all else 1.0}
+    return {"actor": share, "reference": share, "teacher": share, "critic": beside_critic,
+            "reward model": beside_critic, "vLLM": COLOCATED_GPU_SHARE if args.colocate_all else 1.0}
 
 
 def check_colocation(args, shares: dict[str, float]) -> None:
     """Refuse roles colocated on one bundle that ask for more than all of it: Ray would leave the last pending."""
     ref = {"reference": shares["reference"]} if uses_reference(args) and not args.lora_rank else {}
+    ref.update({"teacher": shares["teacher"]} if args.teacher_pretrain else {})  # placed as the reference is
     critic = {"critic": shares["critic"]} if args.advantage_estimator == "gae" else {}
     rms = {f"reward model {i + 1}": shares["reward model"] for i in range(len(args.reward_pretrain or []))}
     if args.colocate_all:
@@ -121,6 +124,8 @@ def place_roles(args, total_actor_steps: int, actor_cls, critic_cls) -> Cluster:
     gpu_layout = {"actor": args.actor_num_workers,
                   "reference": 0 if args.colocate_actor_ref or args.colocate_all or args.lora_rank
                   or not uses_reference(args) else args.ref_num_workers,
+                  "teacher": 0 if args.colocate_actor_ref or args.colocate_all or not args.teacher_pretrain
+                  else args.ref_num_workers,
                   "critic": args.critic_num_workers if use_critic and not args.colocate_all else 0,
                   "reward models": 0 if (args.colocate_critic_reward and use_critic) or args.colocate_all
                   else args.reward_num_workers * len(reward_paths),
@@ -156,6 +161,11 @@ def place_roles(args, total_actor_steps: int, actor_cls, critic_cls) -> Cluster:
         ref_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
             args.ref_num_workers, cpus, "reference")
         cluster.ref = start(ModelWorker, ref_pg, shares["reference"], args=(args, args.pretrain), role="reference")
+    if args.teacher_pretrain:  # placed as the reference is: --ref_num_workers, beside the actor when it is
+        teacher_pg = actor_pg if (args.colocate_actor_ref or args.colocate_all) else make_placement_group(
+            args.ref_num_workers, cpus, "teacher")
+        cluster.teacher = start(ModelWorker, teacher_pg, shares["teacher"], args=(args, args.teacher_pretrain),
+                                role="teacher")
     critic_pg = shared or make_placement_group(args.critic_num_workers, cpus, "critic") if use_critic else None
     if use_critic:
         cluster.critic = start(critic_cls, critic_pg, shares["critic"],
@@ -180,14 +190,15 @@ def connect(args, cluster: Cluster, actor_in_experience: bool) -> None:
     engines = cluster.engines
     wait(cluster.actor.call("init_weight_sync", engines), SYNC_TIMEOUT.total_seconds(),
          "actor rank 0 and the vLLM engines did not form their weight-sync group")
-    groups = {name: group for name, group in cluster.groups().items() if name in ("actor", "ref", "critic")}
+    groups = {name: group for name, group in cluster.groups().items() if name in ("actor", "ref", "teacher",
+                                                                                   "critic")}
     placement = {name: group.nodes for name, group in groups.items()}
     placement["rewards"] = [group.nodes for group in cluster.rewards]
     placement["pids"] = {name: group.get(group.call("pid")) for name, group in groups.items()}
     placement["vllm"] = ray.get([engine.node_id.remote() for engine in engines])
     placement["vllm_pids"] = ray.get([engine.pid.remote() for engine in engines])
     if not use_gpus():  # the workers computing at the same time share their node's cores
-        experience = [g for g in (cluster.ref, cluster.critic, *cluster.rewards) if g]
+        experience = [g for g in (cluster.ref, cluster.teacher, cluster.critic, *cluster.rewards) if g]
         phases = {"experience": experience + ([cluster.actor] if actor_in_experience else []),
                   "train": [g for g in (cluster.actor, cluster.critic) if g]}
         share_cores(phases, {phase: placement["vllm"] if args.async_rollouts else [] for phase in phases})

@@ -28,8 +28,11 @@ def check_args(args) -> None:
             raise UserError(f"--env_fn's rewards score the episodes; leave out --{others[0]}, or --env_fn.")
         if args.max_turns < 1:
             raise UserError(f"--max_turns {args.max_turns} gives the policy no turn; give 1 or more.")
-    else:
+    elif args.reward_pretrain or args.reward_fn or args.remote_rm_url or not args.teacher_pretrain:
         rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
+    if args.teacher_pretrain and args.teacher_coef <= 0:
+        raise UserError(f"--teacher_coef {args.teacher_coef} must be above 0: it weighs the teacher's per-token "
+                        f"reward (1.0 when the teacher is the only reward).")
     if args.reward_clip <= 0:
         raise UserError(f"--reward_clip {args.reward_clip} must be above 0: rewards are clipped to [-clip, clip] "
                         f"(10 is the default; a large bound such as 1e9 clips nothing).")
@@ -106,6 +109,10 @@ def check_args(args) -> None:
             check_model_path(path, flag)
             check_decoder_only(path, flag)
             check_lengths(path, *sequence, flag)
+    if args.teacher_pretrain:
+        check_model_path(args.teacher_pretrain, "--teacher_pretrain")
+        check_causal_lm(args.teacher_pretrain, "--teacher_pretrain")
+        check_lengths(args.teacher_pretrain, *sequence, "--teacher_pretrain")
 
 
 def check_tokenizers(args, tokenizer) -> None:
@@ -116,3 +123,8 @@ def check_tokenizers(args, tokenizer) -> None:
         if path:
             rewards.check_same_tokenizer(tokenizer, load_tokenizer(path, flag), f"--pretrain {args.pretrain}",
                                          f"{flag} {path}", args.apply_chat_template and flag == "--reward_pretrain")
+    if args.teacher_pretrain and (load_tokenizer(args.teacher_pretrain, "--teacher_pretrain").get_vocab()
+                                  != tokenizer.get_vocab()):
+        raise UserError(f"--teacher_pretrain {args.teacher_pretrain} has a different tokenizer from the policy "
+                        f"--pretrain {args.pretrain}; the teacher scores the policy's own tokens, so it must share "
+                        f"their vocabulary (a larger model of the same family).")

@@ -261,3 +261,16 @@ def test_the_plan_counts_a_reference_exactly_when_ppo_ray_starts_one(coef, estim
     planned = any("reference" in roles for _, roles in memory_plan.plan(args).values())
     assert planned == reference == ppo_ray.uses_reference(args)
     assert ppo_ray.uses_reference is memory_plan.uses_reference
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_the_plan_counts_a_teacher_where_it_is_placed(colocate):
+    """--teacher_pretrain's frozen teacher is placed as the reference is: on workers of its own, or beside the actor
+    with --colocate_actor_ref, where its weights add to the actor's GPUs."""
+    name, _, flags = next(r for r in RECIPES if "70b" in r[0])
+    args = recipe_args(name, flags, colocate_actor_ref=colocate)
+    without = memory_plan.plan(args)
+    args.teacher_pretrain = args.pretrain
+    groups = memory_plan.plan(args)
+    assert set(groups) - set(without) == (set() if colocate else {"teacher"})
+    assert "teacher" in groups["actor" if colocate else "teacher"][1]

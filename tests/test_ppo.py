@@ -169,6 +169,42 @@ def test_dynamic_sampling_trains_only_on_prompts_whose_rewards_differ(sft_model,
     assert any(m["dynamic_sampling/filled"] == 0 for m in log), log
 
 
+def distill(student, teacher, task, out, *extra):
+    """On-policy distillation with the teacher's reward alone (no reward source), GRPO on 2 samples a prompt."""
+    run_script("ppo_ray.py", ppo_args(student, task, out, "--teacher_pretrain", teacher, "--advantage_estimator",
+                                      "grpo", "--n_samples_per_prompt", "2", "--init_kl_coef", "0", "--seed",
+                                      str(SEED), *extra))
+    return [m for m in metrics(out) if "distill/reverse_kl" in m]
+
+
+@pytest.mark.slow
+def test_a_teacher_that_is_the_policy_gives_no_distillation_reward(sft_model, task, tmp_path):
+    """The teacher's per-token reward, log pi_teacher - log pi of each sampled token, reads the teacher at the very
+    tokens vLLM sampled: with the policy as its own teacher it is 0 to float rounding (a shift by one position, or
+    another token's log-prob, gives nats), so nothing moves. The teacher gets workers of its own."""
+    out = str(tmp_path / "self")
+    log = distill(sft_model, sft_model, task, out, "--rollout_batch_size", "16", "--train_batch_size", "32",
+                  "--micro_train_batch_size", "16", "--max_steps", "2")
+    assert len(log) == 2 and all(abs(m["distill/reverse_kl"]) < 1e-4 for m in log), log
+    assert not any(key.startswith("rewards/") for key in log[0])  # no reward source ran
+    with open(os.path.join(out, "placement.json")) as f:
+        assert "teacher" in json.load(f)
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+@pytest.mark.extended
+def test_a_random_student_distilled_from_the_sft_model_comes_closer_to_it(tiny_model, sft_model, task, tmp_path):
+    """The untrained tiny model learns from the SFT model's per-token log-probs alone: the reverse KL of its samples
+    to the teacher falls. Measured over 12 steps (first step -> mean of the last 3): 9.64 -> 6.67 nats a token
+    (seed 0), 9.77 -> 6.96 (seed 1, 1 thread); `make test-extended` runs it."""
+    log = distill(tiny_model, sft_model, task, str(tmp_path / "distill"), "--rollout_batch_size", "64",
+                  "--train_batch_size", "64", "--micro_train_batch_size", "64", "--actor_learning_rate", "5e-3",
+                  "--max_steps", "12")
+    kl = [m["distill/reverse_kl"] for m in log]
+    expect("distillation: reverse KL, first step - last 3 steps", kl[0] - mean(kl[-3:]), ">=", 1.0)
+
+
 def bad_inputs(sft_model, task, tmp):
     """The fault a run meets only once Ray is up. test_bad_inputs.py has the ones found before; a reward function
     that raises is test_rewards.py's, and a worker or engine that dies mid-run is test_bad_inputs.py's too."""
