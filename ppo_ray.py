@@ -116,7 +116,7 @@ class Args:
     async_rollouts: bool = False
     """generate the next step's responses while this step trains (one step of policy lag, decoupled PPO)"""
     vllm_is_correction: bool = False
-    """correct each token's policy loss for pi_trainer / pi_vllm, the sampler's and trainer's mismatch (--vllm_is_kind)"""
+    """correct each token's loss for the sampler/trainer mismatch pi_trainer / pi_vllm, as --vllm_is_kind says"""
     vllm_is_kind: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
     """tis: weigh by the ratio capped at --vllm_is_cap; icepop: drop tokens whose ratio leaves [--vllm_is_floor, cap];
     seq-mask-tis: tis, and drop responses whose mean log-ratio leaves that band"""

@@ -60,8 +60,8 @@ def read_config(path: str, flag: str):
     with open(file) as f:
         model_type = json.load(f).get("model_type")
     if model_type not in CONFIG_MAPPING:
-        raise PlanSkipped(f"{flag} {path} is a {model_type!r} model, which transformers {transformers_version} does not know "
-                          f"(remote code is not run here), so its sizes are unknown")
+        raise PlanSkipped(f"{flag} {path} is a {model_type!r} model, which transformers {transformers_version} does "
+                          f"not know (remote code is not run here), so its sizes are unknown")
     return AutoConfig.from_pretrained(os.path.dirname(file))
 
 

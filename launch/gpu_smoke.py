@@ -5,7 +5,7 @@ the check on the real thing, a few minutes on a tiny model and the synthetic tas
 
     sft          deepspeed --num_gpus 1 sft.py       bf16, NCCL, flash attention when installed
     dpo          deepspeed --num_gpus 1 dpo.py       a frozen ZeRO-3 reference beside the policy
-    qlora        ... dpo.py --lora_rank --load_in_4bit   QLoRA: a 4-bit base (bitsandbytes), its adapters off as reference
+    qlora        ... dpo.py --lora_rank --load_in_4bit   QLoRA: a 4-bit base (bitsandbytes), adapters off as reference
     rm           deepspeed --num_gpus 1 rm.py        the reward model the critic stage scores with
     ppo          python ppo_ray.py                   actor + reference on GPU 0, the vLLM engine on GPU 1 (NCCL sync)
     ppo_all      python ppo_ray.py --colocate_all    everything on one GPU: vLLM's sleep mode, CUDA IPC sync

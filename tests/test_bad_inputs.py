@@ -210,7 +210,8 @@ def test_dpo_loss_flags_that_do_not_go_together_are_refused(extra, words, tiny_m
 
 
 @pytest.mark.parametrize("script,flag", [("ppo_ray", "--reward_pretrain"), ("ppo_ray", "--critic_pretrain"),
-                                         ("rejection_sampling", "--reward_pretrain"), ("ppo_ray", "--teacher_pretrain")])
+                                         ("rejection_sampling", "--reward_pretrain"),
+                                         ("ppo_ray", "--teacher_pretrain")])
 def test_a_model_with_another_tokenizer_is_refused(script, flag, tiny_model, other_tokenizer_model, task, tmp_path,
                                                    capsys):
     """It would read the policy's token ids as other tokens: scores and values of other texts."""
@@ -220,7 +221,8 @@ def test_a_model_with_another_tokenizer_is_refused(script, flag, tiny_model, oth
 
 
 @pytest.mark.parametrize("script,flag", [("ppo_ray", "--reward_pretrain"), ("ppo_ray", "--critic_pretrain"),
-                                         ("rejection_sampling", "--reward_pretrain"), ("ppo_ray", "--teacher_pretrain")])
+                                         ("rejection_sampling", "--reward_pretrain"),
+                                         ("ppo_ray", "--teacher_pretrain")])
 def test_an_encoder_decoder_scorer_is_refused(script, flag, tiny_model, not_causal_lms, task, tmp_path, capsys):
     """A reward or value is read at a sequence's last token, which only a decoder-only model's summarises."""
     out = str(tmp_path / "out")

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from common.weight_sync import (WeightSyncGroup, broadcast_weights_to_vllm, iter_gathered_params, loadable_names,
                                 unknown_to_checkpoint)
-from tests.try_model_families import FAMILIES, GPU_ENGINE_ONLY, MOE, write_model
+from tests.try_model_families import FAMILIES, MOE, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # mean |vLLM - trainer| log-prob after a sync: 3e-7 measured on every family here (float32 on CPU); a stale or

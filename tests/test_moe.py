@@ -5,7 +5,6 @@ The weight sync of these families is tests/test_model_families.py's.
 """
 
 import os
-import sys
 
 import pytest
 import torch
