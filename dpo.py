@@ -32,7 +32,6 @@ Implementation details, where they happen below:
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -44,8 +43,9 @@ from deepspeed.accelerator import get_accelerator
 from common import checkpoint, data, lora
 from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing,
                          parse_args, run_main)
-from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_eval_engine,
-                                    init_train_engine, load_model, load_tokenizer, mpi_launch)
+from common.deepspeed_utils import (check_reference_tokenizer, device, ds_config, gradient_accumulation_steps,
+                                    init_distributed, init_train_engine, launcher_world, load_model, load_reference,
+                                    load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import next_token_logprobs, response_start, router_loss, sequence_sums
 
@@ -153,6 +153,13 @@ class Args:
     """pack each micro-batch into one row without padding"""
 
 
+# A resumed run must match its checkpoint in these flags (what makes it this run: model, data, schedule), besides
+# the batch size, seed, number of ranks, ZeRO stage and LoRA settings (checkpoint.trainer_settings).
+RUN_FLAGS = ("pretrain", "ref_pretrain", "dataset", "beta", "learning_rate", "warmup_ratio", "min_lr_ratio",
+             "input_key", "chosen_key", "rejected_key", "apply_chat_template", "input_template", "max_len",
+             "label_smoothing", "loss_type", "simpo_gamma", "nll_loss_coef")
+
+
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # no reference model is loaded for these
@@ -233,7 +240,7 @@ def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """forward_logps of the frozen reference: its own model, or with LoRA the policy with its adapters off."""
+    """forward_logps of the frozen reference: its own engine, or without one (LoRA) the policy's adapters off."""
     with torch.no_grad(), lora.reference(engine) if ref_engine is None else contextlib.nullcontext():
         return forward_logps(ref_engine or engine, batch)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
@@ -291,7 +298,8 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
             "eval/rewards/margins": total["margins"] / total["pairs"]}
 
 
-def main(args: Args):
+def check_args(args: Args) -> None:
+    """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
     check_causal_lm(args.pretrain)
     if args.packing_samples:
@@ -305,29 +313,21 @@ def main(args: Args):
         raise UserError(f"--beta must be positive and --label_smoothing in [0, 0.5), got {args.beta} and "
                         f"{args.label_smoothing}.")
     check_loss_type(args)
+
+
+def main(args: Args):
+    check_args(args)
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
-    launcher_rank = int(os.environ.get("RANK", mpi_launch()[1]))  # (mpirun and srun set no RANK)
-    launcher_world_size = int(os.environ.get("WORLD_SIZE", mpi_launch()[0]))
+    launcher_rank, launcher_world_size = launcher_world()
     gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size, launcher_world_size)
-    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
-    # what fixes the data order and the ZeRO partitioning, and what makes it this run (its model, data, schedule):
-    # a resumed run must match them, before the model loads
-    settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size, "--zero_stage": checkpoint.zero_layout(args.zero_stage),
-                **lora.settings(args),
-                **checkpoint.run_settings(__file__, args, "pretrain", "ref_pretrain", "dataset", "beta",
-                                          "learning_rate", "warmup_ratio", "min_lr_ratio", "input_key", "chosen_key",
-                                          "rejected_key", "apply_chat_template", "input_template", "max_len",
-                                          "label_smoothing", "loss_type", "simpo_gamma", "nll_loss_coef")}
+    ckpt_dir = checkpoint.checkpoint_dir(args)
+    settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
-    ref_pretrain = args.ref_pretrain or args.pretrain
     uses_reference = args.loss_type not in REFERENCE_FREE
-    if uses_reference and load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
-        raise UserError(f"--ref_pretrain {ref_pretrain} has a different tokenizer from --pretrain {args.pretrain}; "
-                        f"the reference model must share the policy's vocabulary (leave --ref_pretrain unset to "
-                        f"use the starting policy).")
+    if uses_reference:
+        check_reference_tokenizer(args, tokenizer)
 
     def load_samples(source, split):
         rows = data.load_records(source, split)
@@ -337,13 +337,9 @@ def main(args: Args):
 
     train_samples = load_samples(args.dataset, args.dataset_split)
     eval_samples = load_samples(args.eval_dataset, args.eval_dataset_split) if args.eval_dataset else []
-    steps_per_epoch = len(train_samples) // args.train_batch_size
+    steps_per_epoch = data.steps_per_epoch(len(train_samples), args.train_batch_size, args.dataset, "pairs",
+                                           lambda msg: print_rank0(launcher_rank, msg))
     widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
-    if steps_per_epoch == 0:
-        raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
-                             f"lower --train_batch_size below {args.train_batch_size}.")
-    data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "pairs",
-                         lambda msg: print_rank0(launcher_rank, msg))
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
     checkpoint.check_not_past_end(ckpt_dir, total_steps)
 
@@ -352,24 +348,14 @@ def main(args: Args):
     torch.manual_seed(args.seed)
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)
-    # The frozen reference has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
-    ref_config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
-                           world_size, offload_params=args.ref_offload, train=False)
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
                        **lora.load_kwargs(args))
     model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
-    # With LoRA the reference is the policy's own frozen base model, adapters off: no second copy of the weights.
-    ref_engine = None if not uses_reference or args.lora_rank and not args.ref_pretrain else init_eval_engine(
-        load_model(ref_pretrain, ref_config, flag="--ref_pretrain"), ref_config)
-    if ref_engine is None and uses_reference:
-        print_rank0(rank, "LoRA: the reference is the policy with its adapters off, not a second copy of its weights")
-    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
-    start_step = state["step"]
-    if start_step:
-        print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
+    ref_engine = load_reference(args, world_size, rank) if uses_reference else None
+    start_step = checkpoint.resume({"model": engine}, ckpt_dir, rank, settings)
     logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
 
@@ -445,4 +431,4 @@ def main(args: Args):
 
 if __name__ == "__main__":
     run_main(main, parse_args(Args),
-             saved=lambda args: checkpoint.saved_note(args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")))
+             saved=lambda args: checkpoint.saved_note(checkpoint.checkpoint_dir(args)))

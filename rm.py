@@ -32,7 +32,6 @@ Load the result without this project's code:
 """
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -45,7 +44,7 @@ from common import checkpoint, data, lora
 from common.args import (UserError, check_decoder_only, check_lengths, check_model_path, check_output_dir,
                          check_packing, parse_args, run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
-                                    load_model, load_tokenizer, mpi_launch)
+                                    launcher_world, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import packed_sequence_rewards, router_loss, sequence_rewards
 
@@ -139,6 +138,12 @@ class Args:
     """pack each micro-batch into one row without padding"""
 
 
+# A resumed run must match its checkpoint in these flags (what makes it this run: model, data, schedule), besides
+# the batch size, seed, number of ranks, ZeRO stage and LoRA settings (checkpoint.trainer_settings).
+RUN_FLAGS = ("pretrain", "dataset", "learning_rate", "warmup_ratio", "min_lr_ratio", "input_key", "chosen_key",
+             "rejected_key", "apply_chat_template", "input_template", "max_len", "margin_key")
+
+
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
 def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
                   margin: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,7 +207,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
             "eval/reward_mean": mean, "eval/reward_std": std}
 
 
-def main(args: Args):
+def check_args(args: Args) -> None:
+    """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
     check_decoder_only(args.pretrain)  # the reward is read at the last token
     if args.packing_samples:
@@ -210,20 +216,16 @@ def main(args: Args):
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
     lora.check_args(args)
+
+
+def main(args: Args):
+    check_args(args)
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
-    launcher_rank = int(os.environ.get("RANK", mpi_launch()[1]))  # (mpirun and srun set no RANK)
-    launcher_world_size = int(os.environ.get("WORLD_SIZE", mpi_launch()[0]))
+    launcher_rank, launcher_world_size = launcher_world()
     gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size, launcher_world_size)
-    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
-    # what fixes the data order and the ZeRO partitioning, and what makes it this run (its model, data, schedule):
-    # a resumed run must match them, before the model loads
-    settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size, "--zero_stage": checkpoint.zero_layout(args.zero_stage),
-                **lora.settings(args),
-                **checkpoint.run_settings(__file__, args, "pretrain", "dataset", "learning_rate", "warmup_ratio",
-                                          "min_lr_ratio", "input_key", "chosen_key", "rejected_key",
-                                          "apply_chat_template", "input_template", "max_len", "margin_key")}
+    ckpt_dir = checkpoint.checkpoint_dir(args)
+    settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding
@@ -237,12 +239,8 @@ def main(args: Args):
     train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log)
     eval_samples = (load_pairs(args, tokenizer, args.eval_dataset, args.eval_dataset_split, log)
                     if args.eval_dataset else [])
-    steps_per_epoch = len(train_samples) // args.train_batch_size
+    steps_per_epoch = data.steps_per_epoch(len(train_samples), args.train_batch_size, args.dataset, "pairs", log)
     widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
-    if steps_per_epoch == 0:
-        raise data.DataError(f"{args.dataset} has {len(train_samples)} usable pairs, fewer than one batch; "
-                             f"lower --train_batch_size below {args.train_batch_size}.")
-    data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "pairs", log)
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
     checkpoint.check_not_past_end(ckpt_dir, total_steps)
 
@@ -260,10 +258,7 @@ def main(args: Args):
     model = lora.wrap(model, args, "SEQ_CLS")  # with --lora_rank: adapters on the backbone, the new head trained whole
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
-    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
-    start_step = state["step"]
-    if start_step:
-        print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
+    start_step = checkpoint.resume({"model": engine}, ckpt_dir, rank, settings)
     logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
 
@@ -323,4 +318,4 @@ def main(args: Args):
 
 if __name__ == "__main__":
     run_main(main, parse_args(Args),
-             saved=lambda args: checkpoint.saved_note(args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")))
+             saved=lambda args: checkpoint.saved_note(checkpoint.checkpoint_dir(args)))

@@ -17,7 +17,6 @@ Implementation details, where they happen below:
 """
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from common import checkpoint, data, lora
 from common.args import (check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing, parse_args,
                          run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
-                                    load_model, load_tokenizer, mpi_launch)
+                                    launcher_world, load_model, load_tokenizer)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import next_token_logprobs, response_start, router_loss
 
@@ -120,6 +119,12 @@ class Args:
     """pack each micro-batch into one row without padding"""
 
 
+# A resumed run must match its checkpoint in these flags (what makes it this run: model, data, schedule), besides
+# the batch size, seed, number of ranks, ZeRO stage and LoRA settings (checkpoint.trainer_settings).
+RUN_FLAGS = ("pretrain", "dataset", "learning_rate", "warmup_ratio", "min_lr_ratio", "input_key", "output_key",
+             "apply_chat_template", "input_template", "max_len", "pretrain_mode")
+
+
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, tokens: torch.Tensor | int | None = None) -> torch.Tensor:
     """Mean negative log-likelihood of the masked tokens: their sum over `tokens`, the trained tokens of the whole
@@ -163,7 +168,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def main(args: Args):
+def check_args(args: Args) -> None:
+    """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
     check_causal_lm(args.pretrain)
     if args.packing_samples:
@@ -171,20 +177,16 @@ def main(args: Args):
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
     check_output_dir(args.output_dir)
     lora.check_args(args)
+
+
+def main(args: Args):
+    check_args(args)
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
-    launcher_rank = int(os.environ.get("RANK", mpi_launch()[1]))  # (mpirun and srun set no RANK)
-    launcher_world_size = int(os.environ.get("WORLD_SIZE", mpi_launch()[0]))
+    launcher_rank, launcher_world_size = launcher_world()
     gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size, launcher_world_size)
-    ckpt_dir = args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
-    # what fixes the data order and the ZeRO partitioning, and what makes it this run (its model, data, schedule):
-    # a resumed run must match them, before the model loads
-    settings = {"--train_batch_size": args.train_batch_size, "--seed": args.seed,
-                "the number of ranks": launcher_world_size, "--zero_stage": checkpoint.zero_layout(args.zero_stage),
-                **lora.settings(args),
-                **checkpoint.run_settings(__file__, args, "pretrain", "dataset", "learning_rate", "warmup_ratio",
-                                          "min_lr_ratio", "input_key", "output_key", "apply_chat_template",
-                                          "input_template", "max_len", "pretrain_mode")}
+    ckpt_dir = checkpoint.checkpoint_dir(args)
+    settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
     tokenizer = load_tokenizer(args.pretrain)
 
@@ -196,13 +198,9 @@ def main(args: Args):
 
     train_samples = load_samples(args.dataset, args.dataset_split)
     eval_samples = load_samples(args.eval_dataset, args.eval_dataset_split) if args.eval_dataset else []
-    steps_per_epoch = len(train_samples) // args.train_batch_size
+    steps_per_epoch = data.steps_per_epoch(len(train_samples), args.train_batch_size, args.dataset, "samples",
+                                           lambda msg: print_rank0(launcher_rank, msg))
     widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
-    if steps_per_epoch == 0:
-        raise data.DataError(f"{args.dataset} has {len(train_samples)} usable samples, fewer than one batch; "
-                             f"lower --train_batch_size below {args.train_batch_size}.")
-    data.report_leftover(len(train_samples), args.train_batch_size, args.dataset, "samples",
-                         lambda msg: print_rank0(launcher_rank, msg))
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
     checkpoint.check_not_past_end(ckpt_dir, total_steps)
 
@@ -217,10 +215,7 @@ def main(args: Args):
     model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
-    state = checkpoint.load_train_state({"model": engine}, ckpt_dir, rank, settings=settings) or {"step": 0}
-    start_step = state["step"]
-    if start_step:
-        print_rank0(rank, f"resumed from {ckpt_dir} at step {start_step}")
+    start_step = checkpoint.resume({"model": engine}, ckpt_dir, rank, settings)
     logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
 
@@ -274,4 +269,4 @@ def main(args: Args):
 
 if __name__ == "__main__":
     run_main(main, parse_args(Args),
-             saved=lambda args: checkpoint.saved_note(args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")))
+             saved=lambda args: checkpoint.saved_note(checkpoint.checkpoint_dir(args)))

@@ -390,6 +390,24 @@ def checkpoint_dir(args) -> str:
     return args.ckpt_dir or os.path.join(args.output_dir, "checkpoints")
 
 
+# ------------------------------------------------------------------------------ a trainer's bookkeeping, in order
+def trainer_settings(script: str, args, world_size: int, run_flags) -> dict:
+    """What a resumed run of sft/rm/dpo/kto must share with its checkpoint (check_settings): what fixes the data
+    order and the ZeRO partitioning, and what makes it this run, the script's `run_flags` (model, data, schedule)."""
+    return {"--train_batch_size": args.train_batch_size, "--seed": args.seed, "the number of ranks": world_size,
+            "--zero_stage": zero_layout(args.zero_stage), **lora.settings(args),
+            **run_settings(script, args, *run_flags)}
+
+
+def resume(engines: dict, ckpt_dir: str, rank: int, settings: dict) -> int:
+    """Load the latest checkpoint in ckpt_dir into the engines, if any (refusing one saved with other settings);
+    returns the step to start at."""
+    state = load_train_state(engines, ckpt_dir, rank, settings=settings) or {"step": 0}
+    if state["step"] and rank == 0:
+        print(f"resumed from {ckpt_dir} at step {state['step']}", flush=True)
+    return state["step"]
+
+
 # ------------------------------------------------------------------------- a Ray driver's checkpoint (ppo_ray.py)
 # Each trained role saves its own DeepSpeed state under <ckpt_dir>/<role>; the driver's state file, written last, is
 # what commits the step, so a run killed at any moment resumes from the last step whose file was written.

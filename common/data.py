@@ -540,6 +540,17 @@ def report_leftover(num_samples: int, train_batch_size: int, source: str, what: 
             f"epoch, so each one leaves out others.")
 
 
+def steps_per_epoch(num_samples: int, train_batch_size: int, source: str, what: str, log=print) -> int:
+    """Optimizer steps in one pass over `num_samples` usable samples (`what`: "samples", "pairs"); a DataError when
+    they fill no batch, and report_leftover's note when they do not fill the last one."""
+    steps = num_samples // train_batch_size
+    if steps == 0:
+        raise DataError(f"{source} has {num_samples} usable {what}, fewer than one batch; lower --train_batch_size "
+                        f"below {train_batch_size}.")
+    report_leftover(num_samples, train_batch_size, source, what, log)
+    return steps
+
+
 def micro_batches(num_samples: int, train_batch_size: int, micro_batch_size: int, world_size: int, rank: int,
                   seed: int, epoch: int, lengths: list[int] | None = None) -> list[list[list[int]]]:
     """Sample indices for one epoch: a list of steps, each a list of this rank's micro-batches.

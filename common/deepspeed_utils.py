@@ -79,6 +79,12 @@ def mpi_launch() -> tuple[int, int]:
     return 1, 0
 
 
+def launcher_world() -> tuple[int, int]:
+    """(this process's rank, the number of processes) as the launcher started them, before the distributed world forms
+    (mpirun and srun set no RANK or WORLD_SIZE)."""
+    return int(os.environ.get("RANK", mpi_launch()[1])), int(os.environ.get("WORLD_SIZE", mpi_launch()[0]))
+
+
 def init_distributed() -> tuple[int, int, int]:
     """Join (or, under plain `python`, create) the default process group; return (rank, world_size, local_rank).
     On CPU, also keep_freed_cpu_memory: every trainer and model worker comes through here.
@@ -367,6 +373,30 @@ def init_eval_engine(model, config: dict):
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     return engine
+
+
+def check_reference_tokenizer(args, tokenizer) -> None:
+    """dpo.py's and kto.py's reference (--ref_pretrain, else --pretrain) must read the policy's vocabulary."""
+    ref_pretrain = args.ref_pretrain or args.pretrain
+    if load_tokenizer(ref_pretrain, "--ref_pretrain").get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"--ref_pretrain {ref_pretrain} has a different tokenizer from --pretrain {args.pretrain}; "
+                        f"the reference model must share the policy's vocabulary (leave --ref_pretrain unset to "
+                        f"use the starting policy).")
+
+
+def load_reference(args, world_size: int, rank: int):
+    """dpo.py's and kto.py's frozen reference model as a DeepSpeed engine: --ref_pretrain, else --pretrain. None with
+    --lora_rank and no --ref_pretrain: the reference is then the policy with its adapters off (lora.reference), not
+    a second copy of its weights."""
+    if args.lora_rank and not args.ref_pretrain:
+        if rank == 0:
+            print("LoRA: the reference is the policy with its adapters off, not a second copy of its weights",
+                  flush=True)
+        return None
+    # A frozen model has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
+    config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
+                       world_size, offload_params=args.ref_offload, train=False)
+    return init_eval_engine(load_model(args.ref_pretrain or args.pretrain, config, flag="--ref_pretrain"), config)
 
 
 def gathered_state_dict(model, rank: int) -> dict[str, torch.Tensor]:
