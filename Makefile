@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-real test test-fast test-extended test-real demo gpu-smoke bench lint clean
+.PHONY: setup setup-real test test-fast test-extended test-real demo gpu-smoke gpu-trainers wheelhouse bench lint clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,19 @@ demo: setup
 # on a CUDA machine.
 gpu-smoke: setup
 	$(PY) launch/gpu_smoke.py --out out/gpu_smoke
+
+# The trainers (sft, rm, dpo, kto) in bf16 on one GPU of a node without vLLM or Ray: ZeRO-3 and ZeRO-2 runs of a ~0.9B
+# model, their memory against the plan, the CUDA IPC weight transport, SFT throughput next to a plain PyTorch loop.
+# Run with the node's own Python, into which the wheelhouse below was installed.
+gpu-trainers:
+	$(PYTHON) launch/gpu_trainers.py --out out/gpu_trainers
+
+# The offline install for GPU nodes without internet: every wheel the trainers need besides torch (DeepSpeed built
+# here) into wheelhouse/, for the node's Python (make wheelhouse NODE_PYTHON=3.12). Then, on the node:
+#   pip install --no-index --find-links wheelhouse -r requirements-trainers.txt
+NODE_PYTHON ?= $(shell $(PY) -c 'import sys; print(*sys.version_info[:2], sep=".")' 2>/dev/null)
+wheelhouse: setup
+	$(PY) launch/wheelhouse.py --out wheelhouse --python_version $(NODE_PYTHON)
 
 bench: setup
 	$(PY) bench/bench_sft.py

@@ -54,6 +54,9 @@ class MetricsLogger:
         if not self.active:
             return
         metrics = {k: float(v) for k, v in metrics.items()}
+        peak = gpu_peak_memory_gib()
+        if peak is not None:
+            metrics["perf/gpu_peak_memory_gib"] = peak
         self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self.file.flush()
         if self.tb:
@@ -70,6 +73,15 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def gpu_peak_memory_gib() -> float | None:
+    """The most GPU memory this process has held in tensors so far (torch.cuda.max_memory_allocated), None off GPUs:
+    logged with every step, so a run's memory can be set against the plan's (common/memory_plan.py)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def progress(total: int, rank: int, desc: str, initial: int = 0):

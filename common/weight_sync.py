@@ -38,7 +38,6 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 
-import ray
 import torch
 
 from common.net import free_port
@@ -84,6 +83,8 @@ def plan_transports(trainer: dict, workers: list[dict]) -> list[str]:
 
 def sync_transports(engines: list) -> list[str]:
     """plan_transports for this process (trainer rank 0) and every worker of `engines`, where Ray placed them."""
+    import ray  # here, not at the top: the GPU check of the transport (launch/gpu_trainers.py) runs without Ray
+
     gpu_ids = [str(i) for i in ray.get_gpu_ids()]  # empty outside a Ray actor, e.g. in a test's driver
     if not gpu_ids and torch.cuda.is_available():
         gpu_ids = [str(torch.cuda.current_device())]
@@ -216,6 +217,8 @@ def init_weight_sync_group(engines: list, master_address: str | None = None, mas
     memory first proves it can map the trainer's (can_map_shared_bucket), and falls back to gloo if it cannot. The
     address defaults to this node's IP as Ray sees it, so engines on other nodes can reach it.
     """
+    import ray
+
     transports = sync_transports(engines)
     shared = None
     if "shm" in transports:
@@ -408,6 +411,8 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
     "weight_sync/load_seconds" is the part vLLM spent putting received tensors into its model (the slowest engine's,
     summed over buckets), which on CPU includes repacking every linear layer's weights for its GEMM kernels.
     """
+    import ray
+
     start_time = time.perf_counter()
     stats = {"weight_sync/buckets": 0, "weight_sync/tensors": 0, "weight_sync/bytes": 0,
              "weight_sync/load_seconds": 0.0}
@@ -430,22 +435,37 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
         stats["weight_sync/buckets"] += 1
         stats["weight_sync/bytes"] += flat.numel() * flat.element_size()
 
+    for flat, meta in pack_buckets(named_params, sync, bucket_bytes):
+        send(flat, meta)
+        stats["weight_sync/tensors"] += len(meta)
+    wait_loads(in_flight)
+    wait_loads([engine.finish_weight_update.remote(complete) for engine in engines])
+    if sync.local == "ipc":
+        torch.cuda.ipc_collect()  # free the buckets' memory, which the workers have let go of
+    stats["weight_sync/seconds"] = time.perf_counter() - start_time
+    return stats
+
+
+def pack_buckets(named_params: Iterable[tuple[str, torch.Tensor]], sync: WeightSyncGroup,
+                 bucket_bytes: int) -> Iterator[tuple[torch.Tensor, list[tuple[str, str, tuple[int, ...]]]]]:
+    """(flat, meta) per bucket: tensors of one dtype and device copied one after another into a buffer of up to
+    `bucket_bytes` (the SharedBucket on CPU, where a worker maps it), and their (name, dtype, shape). The buffer is
+    reused for the next bucket, so send each one before asking for the next; split_bucket undoes it."""
     buffer, used, meta = None, 0, []
     for name, tensor in named_params:
         if sync.checkpoint_names is not None and unknown_to_checkpoint(name, sync.checkpoint_names):
             raise RuntimeError(f"the weight sync was given {name!r}, a name the vLLM engines' checkpoint does not "
                                f"hold: vLLM would reject it or keep its old weight. Send parameters in the "
                                f"checkpoint's names and layout (weight_sync.in_checkpoint_layout makes them).")
-        stats["weight_sync/tensors"] += 1
         capacity = max(1, bucket_bytes // tensor.element_size())
         same_kind = buffer is not None and (buffer.dtype, buffer.device) == (tensor.dtype, tensor.device)
         if meta and not (same_kind and used + tensor.numel() <= capacity):
-            send(buffer[:used], meta)
+            yield buffer[:used], meta
             used, meta = 0, []
         entry = (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-        if tensor.numel() > capacity:
+        if tensor.numel() > capacity:  # travels alone
             flat = tensor.detach().contiguous().view(-1)
-            send(sync.shared.view(tensor.dtype, flat.numel()).copy_(flat) if sync.shared else flat, [entry])
+            yield (sync.shared.view(tensor.dtype, flat.numel()).copy_(flat) if sync.shared else flat), [entry]
             buffer = None  # a SharedBucket that grew for it has a new buffer
             continue
         if not same_kind:
@@ -456,13 +476,20 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
         used += tensor.numel()
         meta.append(entry)
     if meta:
-        send(buffer[:used], meta)
-    wait_loads(in_flight)
-    wait_loads([engine.finish_weight_update.remote(complete) for engine in engines])
-    if sync.local == "ipc":
-        torch.cuda.ipc_collect()  # free the buckets' memory, which the workers have let go of
-    stats["weight_sync/seconds"] = time.perf_counter() - start_time
-    return stats
+        yield buffer[:used], meta
+
+
+def split_bucket(flat: torch.Tensor, meta: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) views of a received bucket."""
+    sizes = [math.prod(shape) for _, _, shape in meta]
+    return [(name, t.view(shape)) for (name, _, shape), t in zip(meta, flat.split(sizes))]
+
+
+def copy_ipc_bucket(handle: dict, device: torch.device) -> torch.Tensor:
+    """A bucket sent as a CUDA IPC handle, copied out of the trainer's memory, which it reuses once this returns."""
+    flat = tensor_from_ipc(handle, device).clone()  # ordered after the trainer's packing by the handle's CUDA event
+    torch.cuda.current_stream(device).synchronize()
+    return flat
 
 
 # --------------------------------------------------------------------------------------------------- vLLM worker side
@@ -511,8 +538,7 @@ class WeightSyncWorkerExtension:
             self._weight_sync_bucket = 0
         index, self._weight_sync_bucket = self._weight_sync_bucket, self._weight_sync_bucket + 1
         if self._weight_sync_local and "shm" not in handle:  # CUDA IPC
-            flat = tensor_from_ipc(handle, self.device).clone()  # copied out: the trainer reuses its buffer after
-            torch.cuda.current_stream(self.device).synchronize()
+            flat = copy_ipc_bucket(handle, self.device)
         else:
             flat = reused_cpu_buffer(self._weight_sync_buffers, index, sum(sizes), dtype,
                                      torch.device(self.device))  # (bucket numel,)
@@ -522,7 +548,7 @@ class WeightSyncWorkerExtension:
             else:  # received before anything can fail, so that the trainer's broadcast is never left unmatched
                 self._weight_sync_group.broadcast(flat, 0).wait()
         start = time.perf_counter()
-        tensors = [(name, t.view(shape)) for (name, _, shape), t in zip(meta, flat.split(sizes))]
+        tensors = split_bucket(flat, meta)
 
         # One in-place reload spans all buckets of a sync: vLLM's `reload_weights` run in pieces. Calling
         # `reload_weights` per bucket would rebuild every layer each time and fill a fused layer split across two

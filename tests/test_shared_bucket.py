@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from common.weight_sync import SharedBucket, can_map_shared_bucket, map_shared_bucket
+from common.weight_sync import (SharedBucket, WeightSyncGroup, can_map_shared_bucket, map_shared_bucket, pack_buckets,
+                                 split_bucket)
 
 pytestmark = pytest.mark.skipif(not SharedBucket.supported(), reason="memfd and /proc are Linux's")
 
@@ -79,3 +80,23 @@ def test_a_file_that_is_not_a_bucket_is_never_mapped_nor_extended(tmp_path):
         handle = {"shm": f"/proc/self/fd/{f.fileno()}", "nbytes": 4096, "token": "x", "probe": [97, 98, 99]}
         assert not can_map_shared_bucket(handle)
     assert other.read_bytes() == b"abc"
+
+
+@pytest.mark.parametrize("staging", ["reused buffer", "shared memory"])
+def test_packed_buckets_split_back_into_every_tensor_bit_for_bit(staging):
+    """pack_buckets -> split_bucket, the trainer's and the worker's halves of a sync, with mixed dtypes, a tensor
+    larger than a bucket (sent alone) and buckets that close early: every tensor arrives once, bit for bit. Each
+    bucket is copied before the next is packed, as a worker does, since the buffer is reused."""
+    torch.manual_seed(0)
+    named = [("a", torch.randn(10)), ("b", torch.randn(3, 7)), ("c", torch.randn(5).bfloat16()),
+             ("d", torch.randn(64)), ("e", torch.randn(2, 3)), ("f", torch.randint(0, 9, (4,)))]
+    sync = WeightSyncGroup(None, "shm", SharedBucket(64)) if staging == "shared memory" else WeightSyncGroup(None)
+    received, buckets = {}, 0
+    for flat, meta in pack_buckets(named, sync, bucket_bytes=4 * 32):  # 32 float32 per bucket: "d" travels alone
+        assert len({dtype for _, dtype, _ in meta}) == 1
+        received.update(split_bucket(flat.clone(), meta))
+        buckets += 1
+    assert list(received) == [name for name, _ in named]
+    for name, tensor in named:
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+    assert buckets == 5  # a+b | c | d | e | f
