@@ -22,6 +22,7 @@ rollout; train(), whose loop names the phases of a step; main().
 """
 
 import functools
+import hashlib
 import json
 import os
 import random
@@ -697,20 +698,35 @@ def env_factory(spec: str):
     return rewards.load_reward_fn(spec, "--env_fn")
 
 
-def respond(args: Args, cluster, prompts: list[dict], n: int, temperature: float, tokenizer) -> list[list[dict]]:
+def sample_seeds(args: Args, step: int, stream: str, count: int) -> list[int]:
+    """One vLLM seed per prompt of a step's rollout, from (--seed, step, the prompt's place); sample j of prompt i
+    draws from seeds[i] + j. A response then depends on the weights and these numbers alone, not on what the engine
+    sampled before: a resumed run, or one with more engines, samples what an uninterrupted run samples. `stream`
+    tells apart the rollout's other draws (a --dynamic_sampling round, an --env_fn turn)."""
+    def seed(i: int) -> int:  # 56 bits: vLLM adds j, torch takes 64
+        return int.from_bytes(hashlib.sha256(f"{args.seed}/{step}/{stream}/{i}".encode()).digest()[:7], "little")
+
+    return [seed(i) for i in range(count)]
+
+
+def respond(args: Args, cluster, prompts: list[dict], n: int, temperature: float, tokenizer,
+            seeded: tuple[int, str] | None = None) -> list[list[dict]]:
     """vLLM's n responses to each prompt, or with --env_fn n multi-turn episodes of each (common/multi_turn.py);
-    colocated engines are awake only meanwhile."""
+    colocated engines are awake only meanwhile. `seeded`: the (step, stream) of sample_seeds (None: greedy)."""
     cluster.sleep.before_generate()
     if args.env_fn:
+        turns = iter(range(args.max_turns))
+
         def one_turn(ids: list[list[int]], limits: list[int]) -> list[dict]:
-            return [s[0] for s in generate(cluster.engines, ids, 1, temperature, args.top_p, limits)]
+            seeds = sample_seeds(args, seeded[0], f"{seeded[1]}turn{next(turns)}", len(ids)) if seeded else None
+            return [s[0] for s in generate(cluster.engines, ids, 1, temperature, args.top_p, limits, seeds)]
 
         samples = multi_turn.run_episodes(one_turn, env_factory(args.env_fn), tokenizer, prompts, n, args.max_turns,
                                           args.generate_max_len, args.apply_chat_template, args.input_template,
                                           args.prompt_max_len)
     else:
         samples = generate(cluster.engines, [p["ids"] for p in prompts], n, temperature, args.top_p,
-                           args.generate_max_len)
+                           args.generate_max_len, sample_seeds(args, *seeded, len(prompts)) if seeded else None)
     cluster.sleep.after_generate()
     return samples
 
@@ -726,14 +742,14 @@ def rollout(args: Args, cluster, prompts: list[dict], step: int, tokenizer,
     """
     n, size = args.n_samples_per_prompt, args.rollout_batch_size
     picked = step_prompts(args, prompts, step)
-    samples = respond(args, cluster, picked, n, args.temperature, tokenizer)
+    samples = respond(args, cluster, picked, n, args.temperature, tokenizer, (step, ""))
     if not args.dynamic_sampling:
         return picked, samples, None
     kept, dropped, first, generated = [], [], None, 0
     for round_ in range(args.dynamic_sampling_max_rounds):
         if round_:
             picked = random.Random(f"{args.seed}-{step}-{round_}").choices(prompts, k=size)
-            samples = respond(args, cluster, picked, n, args.temperature, tokenizer)
+            samples = respond(args, cluster, picked, n, args.temperature, tokenizer, (step, f"round{round_}"))
         generated += generated_tokens(samples)
         scores, metrics = score(args, cluster, picked, samples, tokenizer, reward_fn)
         first = metrics if first is None else first
@@ -755,7 +771,8 @@ def start_rollout(args: Args, cluster, prompts: list[dict], step: int) -> tuple[
     """--async_rollouts: this step's prompts, and the engines' responses to them under way (`collect` them)."""
     picked = step_prompts(args, prompts, step)
     return picked, start_generate(cluster.engines, [p["ids"] for p in picked], args.n_samples_per_prompt,
-                                  args.temperature, args.top_p, args.generate_max_len)
+                                  args.temperature, args.top_p, args.generate_max_len,
+                                  sample_seeds(args, step, "", len(picked)))
 
 
 def generated_tokens(samples: list[list[dict]]) -> int:

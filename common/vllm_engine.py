@@ -124,12 +124,15 @@ class VLLMEngine:
         return self.llm.collective_rpc(_worker_placement)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_tokens: int | list[int] = 16, logprobs: bool = True, **sampling_kwargs) -> list[list[dict]]:
+                 max_tokens: int | list[int] = 16, logprobs: bool = True, seeds: list[int] | None = None,
+                 **sampling_kwargs) -> list[list[dict]]:
         """Sample `n` continuations of every prompt; result[i][j] is sample j of prompt i.
 
         Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str}, where
         logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
-        before temperature and top_p). `max_tokens` may be one limit per prompt. Extra keyword arguments go to
+        before temperature and top_p). `max_tokens` may be one limit per prompt. `seeds`, one per prompt, gives each
+        prompt a random stream of its own (sample j draws from seeds[i] + j, vLLM's rule for n > 1): its samples then
+        depend on the weights and that seed, not on what the engine generated before. Extra keyword arguments go to
         `vllm.SamplingParams` (top_k, stop_token_ids, ...). With create_vllm_engines' `stop_at_end_of_turn` a
         sample also ends at the chat template's end-of-turn token, which it keeps as its last token, as the EOS.
 
@@ -143,11 +146,15 @@ class VLLMEngine:
         if self.stop_token_ids:
             sampling_kwargs.setdefault("stop_token_ids", self.stop_token_ids)
 
-        def params_for(limit: int):
-            return vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit,
+        def params_for(limit: int, seed: int | None):
+            return vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit, seed=seed,
                                        logprobs=0 if logprobs else None, **sampling_kwargs)  # 0: the sampled token
 
-        params = [params_for(m) for m in max_tokens] if isinstance(max_tokens, list) else params_for(max_tokens)
+        if isinstance(max_tokens, list) or seeds is not None:
+            limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_token_ids)
+            params = [params_for(m, s) for m, s in zip(limits, seeds or [None] * len(limits))]
+        else:
+            params = params_for(max_tokens, None)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
         results = []
         for output in outputs:
@@ -398,19 +405,21 @@ class EngineDied(RuntimeError):
 
 
 def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-             max_tokens: int | list[int]) -> list[list[dict]]:
+             max_tokens: int | list[int], seeds: list[int] | None = None) -> list[list[dict]]:
     """VLLMEngine.generate over all engines, the prompts dealt out in turn; raises EngineDied if one is gone."""
-    return collect(engines, start_generate(engines, prompt_ids, n, temperature, top_p, max_tokens))
+    return collect(engines, start_generate(engines, prompt_ids, n, temperature, top_p, max_tokens, seeds))
 
 
 def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                   max_tokens: int | list[int]) -> list:
+                   max_tokens: int | list[int], seeds: list[int] | None = None) -> list:
     """generate() without waiting: the engines' pending results, for `collect`. The engines sample with the
-    weights they hold now; a weight sync must wait until they are collected."""
-    chunks = [prompt_ids[i:: len(engines)] for i in range(len(engines))]
-    limits = [max_tokens[i:: len(engines)] if isinstance(max_tokens, list) else max_tokens for i in range(len(engines))]
-    return [e.generate.remote(c, n=n, temperature=temperature, top_p=top_p, max_tokens=m)
-            for e, c, m in zip(engines, chunks, limits)]
+    weights they hold now; a weight sync must wait until they are collected. With `seeds` (one per prompt) a
+    prompt's samples do not depend on the engine it is dealt to, nor on how many engines there are."""
+    def dealt(values, i):
+        return values[i:: len(engines)] if isinstance(values, list) else values
+
+    return [e.generate.remote(dealt(prompt_ids, i), n=n, temperature=temperature, top_p=top_p,
+                              max_tokens=dealt(max_tokens, i), seeds=dealt(seeds, i)) for i, e in enumerate(engines)]
 
 
 def collect(engines: list, refs: list) -> list[list[dict]]:
