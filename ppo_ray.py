@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from common import lora, memory_plan, multi_turn, rewards
 from common import ppo_tricks as tricks
-from common.args import Interrupted, parse_args, run_main
-from common.checkpoint import (check_driver_resume, checkpoint_dir, load_driver_checkpoint, run_settings,
-                               save_driver_checkpoint, stopped, zero_layout)
+from common.args import Interrupted, UserError, parse_args, run_main
+from common.checkpoint import (SaveFailed, check_driver_resume, checkpoint_dir, load_driver_checkpoint,
+                               run_settings, save_driver_checkpoint, stopped, zero_layout)
 from common.data import (DataError, build_sft_samples, decode_response, load_prompts, load_records, pad_collate,
                          stream_indices)
 from common.deepspeed_utils import load_tokenizer, trained_zero_stage
@@ -880,6 +880,10 @@ def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_p
         final = evaluate(args, cluster, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
     except (EngineDied, WorkerDied) as e:
         raise stopped(str(e), step, ckpt_dir) from None
+    except SaveFailed:  # its sentence names the checkpoint that survives already
+        raise
+    except UserError as e:  # a reward function, remote RM or environment that fails mid-run: say what survives too
+        raise stopped(f"{e} The run stopped", step, ckpt_dir) from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (run_main turns it into one)
         raise stopped("interrupted", step, ckpt_dir, Interrupted) from None
     if final:

@@ -442,7 +442,8 @@ def save_driver_checkpoint(ckpt_dir: str, groups: dict, step: int, state: dict, 
     try:
         write_atomically(os.path.join(ckpt_dir, DRIVER_STATE), json.dumps({"step": step, **state}))
     except OSError as e:
-        raise stopped(f"could not write the checkpoint ({describe(e, ckpt_dir)})", step - 1, ckpt_dir) from None
+        raise stopped(f"could not write the checkpoint ({describe(e, ckpt_dir)})", step - 1, ckpt_dir,
+                      SaveFailed) from None
     for name in groups:  # a role's older step is what a stop before the line above resumes from
         prune(os.path.join(ckpt_dir, name), step, keep_last)
 

@@ -671,8 +671,9 @@ def stop_ppo_ray(argv: list[str], out: str, stop) -> tuple[int, str, int]:
 @pytest.mark.slow
 def test_ppo_ray_stopped_by_a_dead_worker_engine_or_sigterm_says_what_survives_and_resumes(tiny_model, task, tmp_path):
     """A killed actor rank 1 would leave rank 0 in a collective until the process group's timeout (30 minutes);
-    SIGTERM met Ray's own handler, which aborted the driver. Each stop, a dead vLLM engine's too, now ends in one
-    sentence naming the checkpoint that survives, and each rerun of the same command resumes from it."""
+    SIGTERM met Ray's own handler, which aborted the driver. Each stop, a dead vLLM engine's and a reward function's
+    that raises too, now ends in one sentence naming the checkpoint that survives, and each rerun of the same command
+    resumes from it."""
     out = str(tmp_path / "ppo")
     argv = command("ppo_ray", tiny_model, task, out, "--advantage_estimator", "rloo", "--n_samples_per_prompt", "2",
                    "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "8",
@@ -699,7 +700,19 @@ def test_ppo_ray_stopped_by_a_dead_worker_engine_or_sigterm_says_what_survives_a
     saved = stopped_with(lambda pid, placed: os.kill(pid, signal.SIGTERM), 130, "interrupted at step ")
     assert first < second < saved
 
-    argv[argv.index("--max_steps") + 1] = str(saved + 1)  # the same command, but for how far it goes
-    assert f"resumed from {checkpoints} at step {saved}" in run_script("ppo_ray.py", argv).stdout
+    # The rerun resumes; a reward function of a new user's (int() of a response that is no number) raises in its
+    # first step, and the sentence names the function and the sample, and what survives, as the stops above do.
+    strict = tmp_path / "strict_reward.py"
+    strict.write_text("def reward_fn(prompts, responses, labels):\n"
+                      "    return [float(int(r) == int(y)) for r, y in zip(responses, labels)]\n")
+    argv[argv.index("--reward_fn") + 1] = f"{strict}:reward_fn"
+    result = run_script("ppo_ray.py", argv, check=False)
+    assert f"resumed from {checkpoints} at step {saved}" in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors[0].startswith("error: reward function reward_fn raised ValueError: invalid literal for int"), errors
+    assert "on sample 0 of the batch (prompt " in errors[0], errors[0]
+    assert errors[0].endswith(f"The run stopped at step {saved + 1}; the checkpoint of step {saved} in {checkpoints} "
+                              f"is intact. Rerun the same command to resume."), errors[0]
     steps = [m["step"] for m in metrics(out) if "objective/scores" in m]
-    assert steps == list(range(1, saved + 2)), steps  # metrics continue; a killed step is not duplicated
+    assert steps == list(range(1, saved + 1)), steps  # metrics continue; a stopped step is not kept
