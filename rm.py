@@ -44,7 +44,7 @@ from common import checkpoint, data, lora
 from common.args import (UserError, check_decoder_only, check_lengths, check_model_path, check_output_dir,
                          check_packing, parse_args, run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
-                                    launcher_world, load_model, load_tokenizer)
+                                    launcher_world, load_model, load_tokenizer, trained_zero_stage)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import packed_sequence_rewards, router_loss, sequence_rewards
 
@@ -79,8 +79,9 @@ class Args:
     # --- training
     seed: int = 42
     """random seed"""
-    zero_stage: int = 3
-    """DeepSpeed ZeRO stage: 0 (data parallel), 1, 2 or 3 (parameters partitioned)"""
+    zero_stage: int | None = None
+    """DeepSpeed ZeRO stage: 0 (data parallel), 1, 2 or 3 (parameters partitioned); default 3, or on one rank 1 in
+    bf16 and 0 in fp32, since stage 3 partitions nothing there and slows a step"""
     offload_optimizer: bool = False
     """keep the optimizer state in CPU memory (DeepSpeed CPU Adam)"""
     offload_params: bool = False
@@ -223,6 +224,8 @@ def main(args: Args):
     # The batch sizes and the data are checked before the distributed world and DeepSpeed start; only rank 0
     # reports on the data.
     launcher_rank, launcher_world_size = launcher_world()
+    args.zero_stage = trained_zero_stage(args.zero_stage, launcher_world_size, args.offload_optimizer,
+                                         getattr(args, "load_in_4bit", False), args.offload_params)
     gradient_accumulation_steps(args.train_batch_size, args.micro_train_batch_size, launcher_world_size)
     ckpt_dir = checkpoint.checkpoint_dir(args)
     settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)

@@ -143,16 +143,17 @@ def use_bf16() -> bool:
 
 
 def trained_zero_stage(asked: int | None, world_size: int, offload_optimizer: bool = False,
-                       load_in_4bit: bool = False) -> int:
+                       load_in_4bit: bool = False, offload_params: bool = False) -> int:
     """The ZeRO stage of a trained model: `asked` if given, else 3, or on one rank 0, where ZeRO has nothing to
-    partition and stage 3's hooks only cost time (a tenth of a GRPO update of a 21M model on CPU) - 1 in bf16, the
-    lowest stage that accumulates gradients in fp32 (ds_config). Offloading the optimizer needs stage 3 (any stage
-    above 0); QLoRA's 4-bit weights cannot be partitioned, so it gets 2 (0 alone)."""
+    partition and stage 3's hooks only cost time (a tenth of a GRPO update of a 21M model on CPU; an SFT step of a
+    0.9B model on an H100 took 1.7x stage 1's, bench/bench_sft_gpu.py) - 1 in bf16, the lowest stage that
+    accumulates gradients in fp32 (ds_config). Offloading the optimizer needs stage 3 (any stage above 0), offloading
+    the weights stage 3; QLoRA's 4-bit weights cannot be partitioned, so it gets 2 (0 alone)."""
     if asked is not None:
         return asked
     if load_in_4bit:
         return 0 if world_size == 1 else 2
-    if world_size == 1 and not offload_optimizer:
+    if world_size == 1 and not offload_optimizer and not offload_params:
         return 1 if use_bf16() else 0
     return 3
 
@@ -179,6 +180,9 @@ def ds_config(stage: int, train_batch_size: int, micro_batch_size: int, world_si
     if offload_optimizer and train and stage == 0:
         raise UserError("--offload_optimizer keeps the optimizer's state in CPU memory, which ZeRO does from stage 1 "
                         "up; give --zero_stage 1, 2 or 3, or leave --offload_optimizer out.")
+    if offload_params and train and stage != 3:
+        raise UserError("--offload_params keeps the weights in CPU memory between their uses, which only ZeRO-3 does "
+                        "(it partitions them); give --zero_stage 3, or leave --offload_params out.")
     offload = lambda on: {"device": "cpu", "pin_memory": torch.cuda.is_available()} if on else {"device": "none"}
     zero = {
         "stage": stage,
@@ -393,9 +397,11 @@ def load_reference(args, world_size: int, rank: int):
             print("LoRA: the reference is the policy with its adapters off, not a second copy of its weights",
                   flush=True)
         return None
-    # A frozen model has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it, else none.
-    config = ds_config(3 if args.zero_stage == 3 else 0, args.train_batch_size, args.micro_train_batch_size,
-                       world_size, offload_params=args.ref_offload, train=False)
+    # A frozen model has no optimizer state or gradients to shard: ZeRO-3 if the policy uses it (or the reference
+    # is offloaded, which only stage 3 does), else none.
+    stage = 3 if args.zero_stage == 3 or args.ref_offload else 0
+    config = ds_config(stage, args.train_batch_size, args.micro_train_batch_size, world_size,
+                       offload_params=args.ref_offload, train=False)
     return init_eval_engine(load_model(args.ref_pretrain or args.pretrain, config, flag="--ref_pretrain"), config)
 
 

@@ -113,6 +113,41 @@ def test_bf16_gradients_accumulate_in_fp32(monkeypatch):
         deepspeed_utils.ds_config(0, 32, 4, 1, offload_optimizer=True)
 
 
+@pytest.mark.parametrize("script", ["sft", "rm", "dpo", "kto"])
+def test_a_trainer_on_one_rank_skips_zero3_unless_asked(script, tiny_model, task, tmp_path, monkeypatch):
+    """sft/rm/dpo/kto defaulted to ZeRO-3 on any number of ranks. On one GPU stage 3 partitions nothing, and its
+    hooks made an SFT step of a 0.9B model on an H100 take 1.7x stage 1's (bench/bench_sft_gpu.py): one rank now gets
+    stage 1 in bf16, offloading the weights (which only stage 3 does) keeps 3, an explicit --zero_stage wins, and
+    --offload_params at another stage is refused rather than silently ignored. Read where the run would form its
+    distributed world, as a GPU run would see it."""
+    import importlib
+
+    from test_bad_inputs import command
+
+    from common.args import parse_args
+
+    trainer = importlib.import_module(script)
+    monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: True)
+
+    class Formed(Exception):
+        pass
+
+    def formed():
+        raise Formed
+
+    monkeypatch.setattr(trainer, "init_distributed", formed)
+    stages = {}
+    for name, flags in {"default": [], "asked": ["--zero_stage", "2"], "offloaded": ["--offload_params"]}.items():
+        args = parse_args(trainer.Args, command(script, tiny_model, task, str(tmp_path / name), *flags))
+        with pytest.raises(Formed):
+            trainer.main(args)
+        stages[name] = args.zero_stage
+    assert stages == {"default": 1, "asked": 2, "offloaded": 3}
+    with pytest.raises(deepspeed_utils.UserError, match="--offload_params keeps the weights in CPU memory between "
+                                                        "their uses, which only ZeRO-3 does"):
+        deepspeed_utils.ds_config(2, 32, 4, 1, offload_params=True)
+
+
 def test_experience_forwards_use_the_rollout_micro_batch():
     worker = policy_worker(micro_train_batch_size=2, micro_rollout_batch_size=4)
     assert worker.logprobs(batch(rows=8)).shape == (8, 5)
