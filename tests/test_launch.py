@@ -168,6 +168,9 @@ def check_file(path: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
 
 LAUNCH_FILES = sorted(glob.glob(os.path.join(ROOT, "launch", "*")))
 RECIPES = [p for p in LAUNCH_FILES if p.endswith(RECIPE_EXTENSIONS)]
+# Python programs in launch/, not recipes: the demos and the real demo's reward, the GPU checks (test_gpu_paths reads
+# gpu_smoke's stages; gpu_trainers and wheelhouse run for a GPU node, docs/gpu.md).
+PROGRAMS = ("demo.py", "demo_real.py", "number_alone_reward.py", "gpu_smoke.py", "gpu_trainers.py", "wheelhouse.py")
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
@@ -175,7 +178,7 @@ DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 def test_every_launch_file_is_checked():
     others = [os.path.basename(p) for p in LAUNCH_FILES
               if p not in RECIPES and os.path.isfile(p)
-              and os.path.basename(p) not in ("demo.py", "gpu_smoke.py")]  # Python; test_gpu_paths reads gpu_smoke
+              and os.path.basename(p) not in PROGRAMS]
     assert not others, f"launch/ files this test cannot read: {others}; give them one of {RECIPE_EXTENSIONS}"
     assert RECIPES, "no launch recipes found"
 
