@@ -4,7 +4,8 @@ fixtures lack: a 49,152-token vocabulary, 30 layers, 9 query / 3 key-value heads
 template that adds a default system prompt. Left out of `make test` (pytest.ini deselects `real`): it took 14
 minutes on 2 cores shared with other runs (GRPO alone 90-106 s), and a first run builds the model (~30 s).
 
-These tests check that the code holds on a real model, not that it learns: a few steps on tiny data.
+These tests check that the code holds on a real model, not that it learns: a few steps on tiny data (how GRPO
+learns on it, under several seeds, is `make demo-real`, docs/real_model.md).
 """
 
 import os
@@ -152,3 +153,82 @@ def test_grpo_on_the_real_model_keeps_vllm_on_the_trainers_log_probs(real_model,
     assert len(diffs) == 3
     assert max(diffs) < LOGPROB_DIFF_MARGIN, f"vLLM drifts from the trainer after the weight syncs: {diffs}"
     assert moved > 10 * LOGPROB_DIFF_MARGIN, f"the policy barely moved ({moved:.2e}): the test checks no sync"
+
+
+NUMBER_ALONE = os.path.join(ROOT, "launch", "number_alone_reward.py")
+
+
+def test_rejection_sampling_on_the_real_model_keeps_each_prompts_best_whole_sample(real_model, tokenizer, task,
+                                                                                     tmp_path):
+    """Best-of-4 with the demo's rule reward, then sft.py on the best: the rewards in the scored file are the rule's
+    own on the decoded responses (no end-of-turn marker left in the text), each kept response is its prompt's best
+    sample the engine finished, and the trained model loads with plain transformers, changed."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.data import load_records
+    from launch.number_alone_reward import reward_fn
+
+    out = str(tmp_path / "rs")
+    run_script("rejection_sampling.py", [
+        "--pretrain", real_model, "--dataset", task["prompts_train"], "--max_samples", "16", "--apply_chat_template",
+        "--n_samples_per_prompt", "4", "--generate_max_len", "48", "--max_model_len", "256", "--enforce_eager",
+        "--reward_fn", f"{NUMBER_ALONE}:reward_fn", "--iterations", "1", "--output_dir", out, "--train_args",
+        "--max_steps 2 --train_batch_size 4 --micro_train_batch_size 4 --learning_rate 1e-5 --max_len 128"])
+    scored = load_records(os.path.join(out, "iter_0", "scored.jsonl"))
+    kept = {r["prompt"]: r for r in load_records(os.path.join(out, "iter_0", "best_of_n.jsonl"))}
+    assert len(scored) == 16 and len(kept) >= 4, (len(scored), len(kept))
+    for row in scored:
+        assert all("<|im_end|>" not in text and "<|im_start|>" not in text for text in row["responses"]), row
+        assert row["rewards"] == reward_fn([row["prompt"]] * 4, row["responses"], [row["label"]] * 4), row
+        whole = [r for r, cut in zip(row["rewards"], row["truncated"]) if not cut]
+        if row["prompt"] in kept:
+            assert kept[row["prompt"]]["reward"] == max(whole), (row, kept[row["prompt"]])
+            assert kept[row["prompt"]]["response"] in row["responses"]
+        else:
+            assert not whole, row  # a prompt is dropped only when every sample was cut
+    log = metrics(out)
+    assert log[0]["rewards/best_mean"] >= log[0]["rewards/mean"], log
+    assert json.load(open(os.path.join(out, "state.json")))["finished_iterations"] == 1
+    ids = tokenizer("What is 2+3?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        trained, before = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
+                           for path in (os.path.join(out, "iter_0", "model"), real_model))
+    assert torch.isfinite(trained).all() and not torch.equal(trained, before)
+
+
+def test_ppo_with_a_reward_model_and_a_critic_on_the_real_model(real_model, tokenizer, task, tmp_path):
+    """PPO as InstructGPT ran it, on the real model: a reward model rm.py trained (3 steps), a critic started from
+    it, GAE, a KL penalty to the reference. Every step's losses and scores are finite, vLLM stays on the trainer's
+    log-probs after each sync, the KL to the reference is 0 at the first step (the policy is the reference) and not
+    after the first update, and the saved actor loads with plain transformers."""
+    import math
+
+    rm, pairs = str(tmp_path / "rm"), tmp_path / "pairs.jsonl"
+    with open(task["pref_train"]) as f:
+        pairs.write_text("".join(f.readlines()[:32]))
+    train("rm", real_model, str(pairs), rm)
+    out = str(tmp_path / "ppo")
+    run_script("ppo_ray.py", ["--pretrain", real_model, "--reward_pretrain", rm, "--critic_pretrain", rm,
+                              "--advantage_estimator", "gae", "--prompt_data", task["prompts_train"],
+                              "--apply_chat_template", "--output_dir", out, "--prompt_max_len", "64",
+                              "--generate_max_len", "16", "--n_samples_per_prompt", "1", "--rollout_batch_size", "8",
+                              "--train_batch_size", "8", "--micro_train_batch_size", "4", "--actor_learning_rate",
+                              "1e-5", "--critic_learning_rate", "1e-5", "--init_kl_coef", "0.01", "--max_steps", "3"])
+    rows = [m for m in metrics(out) if "objective/scores" in m]
+    print("by step:", [{k: round(m[k], 6) for k in ("objective/scores", "objective/kl", "loss/policy_avg",
+                                                    "loss/value_avg", "vllm/logprob_diff")} for m in rows])
+    assert len(rows) == 3
+    for m in rows:
+        for key in ("objective/scores", "objective/kl", "objective/returns", "loss/policy_avg", "loss/value_avg"):
+            assert math.isfinite(m[key]), (key, m)
+    assert max(m["vllm/logprob_diff"] for m in rows) < LOGPROB_DIFF_MARGIN, rows
+    kls = [m["objective/kl"] for m in rows]
+    assert abs(kls[0]) < 1e-6 and abs(kls[-1]) > 1e-5, kls
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12+13?"},
+                                          {"role": "assistant", "content": "25"}], tokenize=False)
+    moved = mean_token_logprob_change(real_model, out, text)  # the saved actor loads with plain transformers
+    assert moved > 10 * LOGPROB_DIFF_MARGIN, f"the saved actor is the starting model ({moved:.2e} a token)"
+
