@@ -55,7 +55,9 @@ def start_ray(args, root: str) -> None:
     """Join --ray_address (or RAY_ADDRESS), else start a Ray of this run's own; workers import from `root`."""
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("HF_HUB_OFFLINE", "TORCH_EXTENSIONS_DIR", "VLLM_CPU_KVCACHE_SPACE", "WANDB_MODE"):
+    # VLLM_BATCH_INVARIANT=1: a request's logits do not depend on the batch it shares (docs/equivalence.md)
+    for key in ("HF_HUB_OFFLINE", "TORCH_EXTENSIONS_DIR", "VLLM_CPU_KVCACHE_SPACE", "VLLM_BATCH_INVARIANT",
+                "WANDB_MODE"):
         if key in os.environ:
             env[key] = os.environ[key]
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local cluster needs no token
