@@ -202,7 +202,7 @@ class Args:
     grad_clip: float = 1.0
     """clip the gradient norm to this value"""
     zero_stage: int | None = None
-    """DeepSpeed ZeRO stage of the trained models (default: 3, or 0 for a role on one rank)"""
+    """DeepSpeed ZeRO stage of the trained models (default: 3, or for a role on one rank 1 in bf16 and 0 in fp32)"""
     offload_optimizer: bool = False
     """keep optimizer states in CPU memory"""
     ref_offload: bool = False
