@@ -35,8 +35,8 @@ test-extended: setup
 	$(PY) -m pytest -q -m extended
 
 # The real-model tier: the scripts a few steps on SmolLM2-135M-Instruct (common/real_model.py builds it once into
-# .cache/, ~30 s), 14 minutes on 2 cores shared with other runs; `make test` leaves it out (pytest.ini deselects the
-# `real` marker).
+# .cache/, ~30 s), 14 minutes on 2 cores shared with other runs, and ~13 more for rejection sampling and PPO with a
+# critic at a load average of ~30; `make test` leaves it out (pytest.ini deselects the `real` marker).
 REAL_STAMP := $(VENV)/.installed-requirements-real
 setup-real: $(REAL_STAMP)
 

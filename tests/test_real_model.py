@@ -1,11 +1,12 @@
 """The real-model tier (`make test-real`, or `pytest -m real` once requirements-real.txt is installed): the scripts a
 few steps on SmolLM2-135M-Instruct (common/real_model.py), a chat model no one here built, with what the tiny
 fixtures lack: a 49,152-token vocabulary, 30 layers, 9 query / 3 key-value heads, tied embeddings, and a chat
-template that adds a default system prompt. Left out of `make test` (pytest.ini deselects `real`): it took 14
-minutes on 2 cores shared with other runs (GRPO alone 90-106 s), and a first run builds the model (~30 s).
+template that adds a default system prompt. Left out of `make test` (pytest.ini deselects `real`): the first six
+tests took 14 minutes on 2 cores shared with other runs (GRPO alone 90-106 s), rejection sampling and PPO with a
+critic 385 and 419 s at a load average of about 30, and a first run builds the model (~30 s).
 
 These tests check that the code holds on a real model, not that it learns: a few steps on tiny data (how GRPO
-learns on it, under several seeds, is `make demo-real`, docs/real_model.md).
+learns on it: `make demo-real`, docs/real_model.md).
 """
 
 import os
