@@ -52,7 +52,8 @@ demo: setup
 	$(PY) launch/demo.py --out out/demo
 
 # GRPO teaches the real chat model of `make test-real` to answer arithmetic with the number alone
-# (launch/demo_real.py): held-out answers before and after, the reward curve, ~15 minutes on 2 cores.
+# (launch/demo_real.py): held-out answers before and after, the reward curve; ~10 minutes on 2 unshared cores (50 at a
+# load average of 34).
 demo-real: setup-real
 	$(PY) launch/demo_real.py --out out/demo_real
 

@@ -1,5 +1,6 @@
-"""GRPO on a real pretrained chat model, SmolLM2-135M-Instruct, on a 2-core CPU in about ten minutes: it learns to
-answer arithmetic questions with the number alone, where it used to write a sentence or a paragraph.
+"""GRPO on a real pretrained chat model, SmolLM2-135M-Instruct, on a 2-core CPU: it learns to answer arithmetic
+questions with the number alone, where it used to write a sentence or a paragraph (about ten minutes on 2 cores no
+other run shares; 50 at a load average of 34).
 
     python -m common.real_model                 the model as a plain fp32 folder (built once into .cache/)
     python -m common.synthetic_task             addition questions, with held-out operand pairs
