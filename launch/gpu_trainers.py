@@ -133,8 +133,7 @@ def check_saved(path: str, base: str, script: str) -> str:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model_class = AutoModelForSequenceClassification if script == "rm" else AutoModelForCausalLM
-    model = model_class.from_pretrained(path, dtype=torch.float32, num_labels=1) if script == "rm" else \
-        model_class.from_pretrained(path, dtype=torch.float32)
+    model = model_class.from_pretrained(path, dtype=torch.float32, **({"num_labels": 1} if script == "rm" else {}))
     base_weights = {}
     for file in sorted(f for f in os.listdir(base) if f.endswith(".safetensors")):
         base_weights.update(load_file(os.path.join(base, file)))
