@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 import textwrap
+import time
 import types
 import typing
 
@@ -370,13 +371,39 @@ def run_main(main, args, saved=None) -> None:
         transformers_logging.disable_progress_bar()
     stop_on_sigterm()
     try:
-        main(args)
+        try:
+            main(args)
+        except UserError:
+            raise
+        except Exception:
+            if _stopped_meanwhile():  # a peer's stop broke a collective before this rank's own stop was handled
+                raise KeyboardInterrupt from None
+            raise
     except UserError as e:
         _stop(str(e), getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         where = saved(args) if saved else None
         _stop(f"interrupted; {where}. Rerun the same command to resume." if where else "interrupted.", 130)
     exit_if_distributed(0)
+
+
+def _stopped_meanwhile() -> bool:
+    """Whether the error that ended this process follows a Ctrl-C or SIGTERM that has reached it too.
+
+    Ctrl-C reaches every rank at once, but a rank blocked in a collective runs Python's handler only once the
+    collective returns, and it returns with an error ("Connection reset by peer") when a peer that handled its stop
+    first has already exited. The signal is then pending here, and a short sleep lets its handler run. A process
+    outside a torch.distributed group has no peers, and does not wait."""
+    if _stopping:
+        return True
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    try:
+        time.sleep(2)
+    except KeyboardInterrupt:
+        return True
+    return _stopping
 
 
 def _stop(message: str, exit_code: int) -> None:

@@ -550,6 +550,55 @@ def test_a_second_stop_does_not_cut_the_first_ones_sentence_short(tmp_path):
                               "command to resume."), stderr[-2000:]
 
 
+PEER_STOPS_FIRST = """
+import sys
+import time
+import torch
+import torch.distributed as dist
+from common.args import run_main
+
+def main(_):
+    dist.init_process_group("gloo")
+    dist.barrier()
+    print("training", flush=True)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # waits for rank 1, which stops instead of joining
+    time.sleep(60)
+
+run_main(main, None, saved=lambda _: "the checkpoint of step 5 in ckpt is intact")
+"""
+
+
+def test_a_rank_whose_peer_stopped_first_still_names_what_survives(tmp_path):
+    """Ctrl-C reaches every rank, but a busy machine may run rank 0's handler only after rank 1 has handled its
+    own and exited. Rank 0's collective then fails first ("Connection reset by peer"); CI once saw that
+    traceback in place of the sentence, in the sft stop test below. Here rank 0's stop comes half a second late."""
+    from common.net import free_port
+
+    script = tmp_path / "peer_stops_first.py"
+    script.write_text(PEER_STOPS_FIRST)
+    env = {**os.environ, "PYTHONPATH": ROOT, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
+           "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in (0, 1)]
+    try:
+        assert [rank.stdout.readline() for rank in ranks] == ["training\n"] * 2
+        time.sleep(0.5)  # rank 0 is in its all_reduce
+        ranks[1].send_signal(signal.SIGINT)
+        assert ranks[1].wait(timeout=60) == 130
+        time.sleep(0.5)
+        ranks[0].send_signal(signal.SIGINT)
+        _, stderr = ranks[0].communicate(timeout=60)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    assert ranks[0].returncode == 130, stderr[-2000:]
+    assert stderr.strip() == ("error: interrupted; the checkpoint of step 5 in ckpt is intact. Rerun the same "
+                              "command to resume."), stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------ slow: stopped mid-run
 def snapshot(folder: str) -> list[tuple[str, float]]:
     return sorted((os.path.relpath(os.path.join(d, f), folder), os.path.getmtime(os.path.join(d, f)))
