@@ -35,8 +35,8 @@ test-extended: setup
 	$(PY) -m pytest -q -m extended
 
 # The real-model tier: the scripts a few steps on SmolLM2-135M-Instruct (common/real_model.py builds it once into
-# .cache/, ~30 s), 14 minutes on 2 cores shared with other runs, and ~13 more for rejection sampling and PPO with a
-# critic at a load average of ~30; `make test` leaves it out (pytest.ini deselects the `real` marker).
+# .cache/, ~30 s) and demo-real's GRPO whole, 11 minutes on 2 quiet cores; `make test` leaves it out (pytest.ini
+# deselects the `real` marker).
 REAL_STAMP := $(VENV)/.installed-requirements-real
 setup-real: $(REAL_STAMP)
 
@@ -52,7 +52,7 @@ demo: setup
 	$(PY) launch/demo.py --out out/demo
 
 # GRPO teaches the real chat model of `make test-real` to answer arithmetic with the number alone
-# (launch/demo_real.py): held-out answers before and after, the reward curve; ~10 minutes on 2 unshared cores (50 at a
+# (launch/demo_real.py): held-out answers before and after, the reward curve; ~5 minutes on 2 unshared cores (50 at a
 # load average of 34).
 demo-real: setup-real
 	$(PY) launch/demo_real.py --out out/demo_real
