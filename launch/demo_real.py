@@ -1,5 +1,5 @@
 """GRPO on a real pretrained chat model, SmolLM2-135M-Instruct, on a 2-core CPU: it learns to answer arithmetic
-questions with the number alone, where it used to write a sentence or a paragraph (about ten minutes on 2 cores no
+questions with the number alone, where it used to write a sentence or a paragraph (about five minutes on 2 cores no
 other run shares; 50 at a load average of 34).
 
     python -m common.real_model                 the model as a plain fp32 folder (built once into .cache/)
@@ -34,7 +34,7 @@ from launch.number_alone_reward import is_number_alone, is_right, number_alone_r
 PY = sys.executable
 REWARD = "launch/number_alone_reward.py:reward_fn"
 DOCS = ["README.md", "docs/real_model.md"]
-STEPS = 24  # GRPO steps; docs/real_model.md has the reward of every step under three seeds
+STEPS = 24  # GRPO steps; docs/real_model.md has the reward of every step under four seeds
 GENERATE_MAX_LEN = 24  # tokens; the base model's long answers are cut here, during training and when scored
 # ppo_ray.py's settings besides the model, data and seed; docs/real_model.md says why each.
 GRPO_FLAGS = ["--apply_chat_template", "--reward_fn", REWARD, "--advantage_estimator", "grpo",
