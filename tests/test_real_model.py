@@ -236,7 +236,6 @@ def test_ppo_with_a_reward_model_and_a_critic_on_the_real_model(real_model, toke
     assert moved > 10 * LOGPROB_DIFF_MARGIN, f"the saved actor is the starting model ({moved:.2e} a token)"
 
 
-
 # The demo's GRPO (launch/demo_real.py) under seeds 0 to 3 (docs/real_model.md): the rollouts' mean reward over the
 # last 3 of 24 steps 0.55, 0.66, 0.65 and 0.60, from 0.15-0.23 over the first 3; after each, every greedy answer to
 # the 32 held-out questions a bare number (none before). Seed 1 gave the same rewards with 1 thread as with 2. The
