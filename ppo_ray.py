@@ -17,15 +17,14 @@ distillation's per-token reward. docs/ppo.md lists every implementation detail.
     python ppo_ray.py --pretrain SFT --reward_pretrain RM --prompt_data prompts.jsonl --apply_chat_template
     deepspeed ppo_ray.py ...        # the same: the launcher's rank 0 drives, its others exit; Ray starts workers
 
-Top to bottom: the flags; the PPO math; the experience; the update (ActorWorker.fit, CriticWorker.fit); one step's
-rollout; train(), whose loop names the phases of a step; main().
+Top to bottom: the flags; the PPO math; the experience; the update (ActorWorker.fit, CriticWorker.fit); train(), whose
+loop names the phases of a step; main(). The rollouts (prompts, sampling, dynamic sampling, async generation and the
+weight sync it needs) are common/rollout.py's Rollouts, which the loop calls.
 """
 
 import functools
-import hashlib
 import json
 import os
-import random
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -34,7 +33,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from common import lora, memory_plan, multi_turn, rewards
+from common import lora, memory_plan, rewards
 from common import ppo_tricks as tricks
 from common.args import Interrupted, UserError, parse_args, run_main
 from common.checkpoint import (SaveFailed, check_driver_resume, checkpoint_dir, load_driver_checkpoint,
@@ -49,7 +48,8 @@ from common.placement import connect, drives_the_run, place_roles, start_ray
 from common.ppo_checks import check_args, check_tokenizers
 from common.ppo_tricks import clip_range, uses_reference  # one predicate for this script and the memory plan
 from common.ray_workers import WorkerDied, gather, shard, use_gpus
-from common.vllm_engine import EngineDied, collect, generate, shutdown_engines, start_generate, wait_for
+from common.rollout import Rollouts, env_factory, generated_tokens, sync_weights
+from common.vllm_engine import EngineDied, shutdown_engines
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -681,117 +681,10 @@ def ppo_update(cluster, experience: dict, kl_coef: float, step: int, micro: int)
     return metrics
 
 
-# ------------------------------------------------------------------------------------------------- one step
-def step_prompts(args: Args, prompts: list[dict], step: int) -> list[dict]:
-    """This step's --rollout_batch_size prompts: passes over the data, each in an order fixed by (--seed, pass), so
-    a resumed run picks the prompts the killed one would have."""
-    per_pass = max(1, len(prompts) // args.rollout_batch_size)
-    order = list(range(len(prompts)))
-    random.Random(args.seed * 100_003 + step // per_pass).shuffle(order)
-    start = (step % per_pass) * args.rollout_batch_size
-    return [prompts[order[(start + i) % len(prompts)]] for i in range(args.rollout_batch_size)]
-
-
-@functools.cache
-def env_factory(spec: str):
-    """--env_fn's make_env, loaded once."""
-    return rewards.load_reward_fn(spec, "--env_fn")
-
-
-def sample_seeds(args: Args, step: int, stream: str, count: int) -> list[int]:
-    """One vLLM seed per prompt of a step's rollout, from (--seed, step, the prompt's place); sample j of prompt i
-    draws from seeds[i] + j. A response then depends on the weights and these numbers alone, not on what the engine
-    sampled before: a resumed run, or one with more engines, samples what an uninterrupted run samples. `stream`
-    tells apart the rollout's other draws (a --dynamic_sampling round, an --env_fn turn)."""
-    def seed(i: int) -> int:  # 56 bits: vLLM adds j, torch takes 64
-        return int.from_bytes(hashlib.sha256(f"{args.seed}/{step}/{stream}/{i}".encode()).digest()[:7], "little")
-
-    return [seed(i) for i in range(count)]
-
-
-def respond(args: Args, cluster, prompts: list[dict], n: int, temperature: float, tokenizer,
-            seeded: tuple[int, str] | None = None) -> list[list[dict]]:
-    """vLLM's n responses to each prompt, or with --env_fn n multi-turn episodes of each (common/multi_turn.py);
-    colocated engines are awake only meanwhile. `seeded`: the (step, stream) of sample_seeds (None: greedy)."""
-    cluster.sleep.before_generate()
-    if args.env_fn:
-        turns = iter(range(args.max_turns))
-
-        def one_turn(ids: list[list[int]], limits: list[int]) -> list[dict]:
-            seeds = sample_seeds(args, seeded[0], f"{seeded[1]}turn{next(turns)}", len(ids)) if seeded else None
-            return [s[0] for s in generate(cluster.engines, ids, 1, temperature, args.top_p, limits, seeds)]
-
-        samples = multi_turn.run_episodes(one_turn, env_factory(args.env_fn), tokenizer, prompts, n, args.max_turns,
-                                          args.generate_max_len, args.apply_chat_template, args.input_template,
-                                          args.prompt_max_len)
-    else:
-        samples = generate(cluster.engines, [p["ids"] for p in prompts], n, temperature, args.top_p,
-                           args.generate_max_len, sample_seeds(args, *seeded, len(prompts)) if seeded else None)
-    cluster.sleep.after_generate()
-    return samples
-
-
-def rollout(args: Args, cluster, prompts: list[dict], step: int, tokenizer,
-            reward_fn) -> tuple[list[dict], list[list[dict]], tuple[torch.Tensor, dict] | None]:
-    """This step's prompts and vLLM's responses to them; with --dynamic_sampling also their scores and metrics.
-
-    DAPO's dynamic sampling (Yu et al. 2025): a prompt whose responses all got the same reward has zero advantages
-    under a group baseline, so it is dropped and further prompts (fixed by seed, step and round) are sampled until
-    --rollout_batch_size prompts with a spread are found or the rounds run out; dropped prompts fill what is missing.
-    rewards/* are the step's own prompts' metrics; objective/scores is the trained batch's.
-    """
-    n, size = args.n_samples_per_prompt, args.rollout_batch_size
-    picked = step_prompts(args, prompts, step)
-    samples = respond(args, cluster, picked, n, args.temperature, tokenizer, (step, ""))
-    if not args.dynamic_sampling:
-        return picked, samples, None
-    kept, dropped, first, generated = [], [], None, 0
-    for round_ in range(args.dynamic_sampling_max_rounds):
-        if round_:
-            picked = random.Random(f"{args.seed}-{step}-{round_}").choices(prompts, k=size)
-            samples = respond(args, cluster, picked, n, args.temperature, tokenizer, (step, f"round{round_}"))
-        generated += generated_tokens(samples)
-        scores, metrics = score(args, cluster, picked, samples, tokenizer, reward_fn)
-        first = metrics if first is None else first
-        spread = tricks.groups_with_a_spread(scores, n)
-        for i, group in enumerate(zip(picked, samples, scores.view(-1, n))):
-            (kept if spread[i] else dropped).append(group)
-        if len(kept) >= size:
-            break
-    drawn = (round_ + 1) * size
-    groups = (kept + dropped)[:size]  # those with a spread first
-    picked, samples, scores = [g[0] for g in groups], [g[1] for g in groups], torch.cat([g[2] for g in groups])
-    metrics = {**first, "dynamic_sampling/dropped": len(dropped) / drawn, "dynamic_sampling/rounds": round_ + 1,
-               "dynamic_sampling/filled": max(0, size - len(kept)) / size,
-               "dynamic_sampling/generated_tokens": generated}
-    return picked, samples, (scores, metrics)
-
-
-def start_rollout(args: Args, cluster, prompts: list[dict], step: int) -> tuple[list[dict], list]:
-    """--async_rollouts: this step's prompts, and the engines' responses to them under way (`collect` them)."""
-    picked = step_prompts(args, prompts, step)
-    return picked, start_generate(cluster.engines, [p["ids"] for p in picked], args.n_samples_per_prompt,
-                                  args.temperature, args.top_p, args.generate_max_len,
-                                  sample_seeds(args, step, "", len(picked)))
-
-
-def generated_tokens(samples: list[list[dict]]) -> int:
-    """The tokens vLLM sampled for these responses, cut ones included; of a multi-turn episode, the policy's."""
-    return sum(sum(s["env_mask"]) if "env_mask" in s else len(s["token_ids"]) for group in samples for s in group)
-
-
-def sync_weights(cluster, everything_quantized: bool = False) -> dict:
-    """The actor's weights to the vLLM engines (common/weight_sync.py); returns its bytes and vLLM's load time."""
-    cluster.sleep.before_sync()
-    sync = wait_for(cluster.actor.call("sync_weights", cluster.engines, everything_quantized), cluster.engines,
-                    "the weight sync")[0]
-    return {"weight_sync/bytes": sync.get("weight_sync/bytes", 0),
-            "weight_sync/vllm_load": sync.get("weight_sync/load_seconds", 0)}
-
-
-def evaluate(args: Args, cluster, tokenizer, reward_fn, eval_prompts: list[dict]) -> dict:
+# ------------------------------------------------------------------------------------------------- the loop
+def evaluate(args: Args, cluster, rollouts: Rollouts, tokenizer, reward_fn, eval_prompts: list[dict]) -> dict:
     """Greedy responses to the held-out prompts, scored like the rollouts; the latest are kept in eval_samples.jsonl."""
-    samples = respond(args, cluster, eval_prompts, 1, 0.0, tokenizer)
+    samples = rollouts.respond(eval_prompts, 1, 0.0)
     # an episode's text shows the turns' markers, which tell the policy's turns from the environment's
     texts = [decode_response(tokenizer, s[0].get("prompt_ids", p["ids"]), s[0]["token_ids"],
                              skip_special_tokens=not args.env_fn) for p, s in zip(eval_prompts, samples)]
@@ -802,7 +695,6 @@ def evaluate(args: Args, cluster, tokenizer, reward_fn, eval_prompts: list[dict]
     return {"eval/reward": total.mean(), **{"eval/" + k.split("/")[1]: v for k, v in parts.items()}}
 
 
-# ------------------------------------------------------------------------------------------------- the loop
 def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_prompts: list[dict]) -> dict:
     """The PPO loop, from the latest checkpoint to --max_steps; returns the final evaluation's metrics."""
     ckpt_dir = checkpoint_dir(args)
@@ -819,32 +711,14 @@ def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_p
     logger = MetricsLogger(args.output_dir, 0, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
     bar = progress(args.max_steps, 0, "ppo", initial=start_step)
-    engines_at = start_step  # the engines hold the policy after this many steps
-    ahead = start_rollout(args, cluster, prompts, start_step) if args.async_rollouts else None
-
-    def sync_weights_to(to_step: int) -> dict:
-        """sync_weights, once a generation under way has finished, unless the engines have `to_step`'s policy."""
-        nonlocal engines_at
-        if engines_at == to_step:
-            return {}
-        if ahead:
-            collect(cluster.engines, ahead[1])
-        engines_at = to_step
-        return sync_weights(cluster)
-
+    rollouts = Rollouts(args, cluster, prompts, tokenizer,
+                        functools.partial(score, args, cluster, tokenizer=tokenizer, reward_fn=reward_fn), start_step)
     try:
         for step in range(start_step, args.max_steps):
             timings, step_start = {}, time.perf_counter()
-            # 1. rollout: vLLM's responses to this step's prompts (--async_rollouts: sampled during the last update)
-            with timed(timings, "time/generate"):
-                if args.async_rollouts:
-                    picked, samples, scored = ahead[0], collect(cluster.engines, ahead[1]), None
-                else:
-                    picked, samples, scored = rollout(args, cluster, prompts, step, tokenizer, reward_fn)
-            if args.async_rollouts:  # the idle engines take this step's policy and sample the next step meanwhile
-                with timed(timings, "time/weight_sync"):
-                    synced = sync_weights_to(step)
-                ahead = start_rollout(args, cluster, prompts, step + 1) if step + 1 < args.max_steps else None
+            # 1. rollout: vLLM's responses to this step's prompts (--async_rollouts: sampled during the last update,
+            #    after which the idle engines take this step's policy and sample the next step's meanwhile)
+            picked, samples, scored = rollouts.next(step, timings)
             # 2. experience: log-probs, values and rewards -> advantages
             with timed(timings, "time/make_experience"):
                 experience, metrics = make_experience(args, cluster, picked, samples, tokenizer, reward_fn,
@@ -852,11 +726,8 @@ def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_p
             # 3. update: the actor's and the critic's fit
             with timed(timings, "time/train"):
                 metrics.update(ppo_update(cluster, experience, kl_ctl.value, step, args.micro_train_batch_size))
-            # 4. weight sync: the new policy to vLLM
-            if not args.async_rollouts:
-                with timed(timings, "time/weight_sync"):
-                    synced = sync_weights_to(step + 1)
-            metrics.update(synced)
+            # 4. weight sync: the new policy to vLLM (--async_rollouts: at the next step's start)
+            metrics.update(rollouts.sync(step, timings))
             # 5. the KL controller, evaluation, logging and checkpoint
             kl_ctl.update(metrics["objective/kl"].item(), len(experience["input_ids"]))
             metrics.update({"objective/kl_coef": kl_ctl.value, **timings})
@@ -864,8 +735,8 @@ def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_p
                 generated = metrics.get("dynamic_sampling/generated_tokens", generated_tokens(samples))
                 metrics["perf/rollout_tokens_per_sec"] = generated / timings["time/generate"]
             if eval_prompts and args.eval_steps and (step + 1) % args.eval_steps == 0:
-                metrics.update(sync_weights_to(step + 1))  # --async_rollouts: then step + 2 has nothing to sync
-                metrics.update(evaluate(args, cluster, tokenizer, reward_fn, eval_prompts))
+                metrics.update(rollouts.sync_to(step + 1))  # --async_rollouts: then step + 2 has nothing to sync
+                metrics.update(evaluate(args, cluster, rollouts, tokenizer, reward_fn, eval_prompts))
             metrics["time/step"] = time.perf_counter() - step_start  # all of it: the phases and the driver's share
             logger.log(step + 1, metrics)
             bar.update(1)
@@ -876,8 +747,8 @@ def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_p
                                        {"kl_ctl": kl_ctl.state_dict(), "settings": resume_settings(args)},
                                        args.keep_last_checkpoints)
         bar.close()
-        sync_weights_to(args.max_steps)
-        final = evaluate(args, cluster, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
+        rollouts.sync_to(args.max_steps)
+        final = evaluate(args, cluster, rollouts, tokenizer, reward_fn, eval_prompts) if eval_prompts else {}
     except (EngineDied, WorkerDied) as e:
         raise stopped(str(e), step, ckpt_dir) from None
     except SaveFailed:  # its sentence names the checkpoint that survives already
