@@ -45,6 +45,7 @@ from common.deepspeed_utils import load_tokenizer, trained_zero_stage
 from common.logging_utils import MetricsLogger, batch_means, mean_over_ranks, progress, timed
 from common.model_worker import ModelWorker, micro_rollout, split
 from common.modeling import router_loss, token_logprobs
+from common.output_lock import hold_output_folders
 from common.placement import connect, drives_the_run, place_roles, start_ray
 from common.ppo_checks import check_args, check_tokenizers
 from common.ppo_tricks import clip_range, uses_reference  # one predicate for this script and the memory plan
@@ -145,6 +146,8 @@ class Args:
     """a reward model served over HTTP: POST {prompts, responses, labels} -> {rewards}"""
     env_fn: str | None = None
     """a multi-turn environment instead of the reward sources, 'path.py:make_env' (see common/multi_turn.py)"""
+    reward_timeout: float = 600.0
+    """seconds a --reward_fn call, or an --env_fn environment's reset or step, may take before the run stops"""
     max_turns: int = 4
     """the policy's turns per --env_fn episode at most"""
     critic_pretrain: str | None = None
@@ -723,7 +726,7 @@ def respond(args: Args, cluster, prompts: list[dict], n: int, temperature: float
 
         samples = multi_turn.run_episodes(one_turn, env_factory(args.env_fn), tokenizer, prompts, n, args.max_turns,
                                           args.generate_max_len, args.apply_chat_template, args.input_template,
-                                          args.prompt_max_len)
+                                          args.prompt_max_len, args.reward_timeout)
     else:
         samples = generate(cluster.engines, [p["ids"] for p in prompts], n, temperature, args.top_p,
                            args.generate_max_len, sample_seeds(args, *seeded, len(prompts)) if seeded else None)
@@ -905,7 +908,7 @@ def main(args: Args):
     if args.dry_run:
         memory_plan.dry_run(args)
         return
-    reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_fn = rewards.load_reward_fn(args.reward_fn, timeout=args.reward_timeout) if args.reward_fn else None
     if args.env_fn:
         env_factory(args.env_fn)  # a wrong path or name stops the run here, before Ray starts
     tokenizer = load_tokenizer(args.pretrain)
@@ -920,6 +923,7 @@ def main(args: Args):
                                     args.prompt_max_len + args.generate_max_len,
                                     pretrain_mode=True) if args.ptx_data else None
 
+    hold_output_folders(args.output_dir, checkpoint_dir(args))
     start_ray(args, ROOT)
     if use_gpus():
         memory_plan.preflight(args)

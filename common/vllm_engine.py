@@ -41,6 +41,10 @@ COLOCATED_GPU_SHARE = 0.2
 # Seconds the engines may take to be placed and load their model before start-up gives up with a sentence.
 ENGINE_START_TIMEOUT_S = 1800
 
+# Seconds a generation may go without any engine handing back its share before the run stops: a hung engine (a
+# stuck collective in tensor parallelism, a wedged GPU) otherwise keeps the run waiting, alive to the eye, for ever.
+GENERATE_TIMEOUT_S = 1800
+
 # KV cache of an engine on CPU when VLLM_CPU_KVCACHE_SPACE is unset: vLLM's own default reserves a share of all RAM.
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
@@ -409,6 +413,10 @@ class EngineDied(RuntimeError):
     """A vLLM engine actor is gone; the run stops and can be resumed from its last checkpoint."""
 
 
+class EngineHung(EngineDied):
+    """A vLLM engine has not answered for GENERATE_TIMEOUT_S; the run stops as for a dead one."""
+
+
 def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
              max_tokens: int | list[int], seeds: list[int] | None = None) -> list[list[dict]]:
     """VLLMEngine.generate over all engines, the prompts dealt out in turn; raises EngineDied if one is gone."""
@@ -427,8 +435,18 @@ def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperatu
                               max_tokens=dealt(max_tokens, i), seeds=dealt(seeds, i)) for i, e in enumerate(engines)]
 
 
-def collect(engines: list, refs: list) -> list[list[dict]]:
-    """start_generate's samples, back in the order of its prompts (collecting twice gives the same)."""
+def collect(engines: list, refs: list, timeout: float | None = None) -> list[list[dict]]:
+    """start_generate's samples, back in the order of its prompts (collecting twice gives the same). Each engine
+    that answers restarts the clock; `timeout` (default GENERATE_TIMEOUT_S) seconds without one raises EngineHung."""
+    timeout = timeout or GENERATE_TIMEOUT_S
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:
+            late = [i for i, ref in enumerate(refs) if ref in pending]
+            raise EngineHung(f"vLLM engine(s) {late} of {len(engines)} handed back no responses within {timeout:g} s "
+                             f"of generation (GENERATE_TIMEOUT_S); an engine is hung (its log, under the Ray "
+                             f"session's logs, says where)")
     try:
         results = ray.get(refs)
     except ray.exceptions.RayActorError as e:
