@@ -22,6 +22,7 @@ import torch.distributed as dist
 from common import lora
 from common.args import UserError
 from common.data import merged_eos_ids
+from common.logging_utils import phase
 
 LATEST = "latest"
 
@@ -437,8 +438,9 @@ def check_driver_resume(ckpt_dir: str, settings: dict, max_steps: int) -> None:
 def save_driver_checkpoint(ckpt_dir: str, groups: dict, step: int, state: dict, keep_last: int) -> None:
     """Every trained role's worker group (`groups`, by name) saves its state, then the driver's state file commits
     the step; only then are older checkpoints pruned."""
-    for name, group in groups.items():
-        group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
+    with phase("checkpoint"):
+        for name, group in groups.items():
+            group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
     try:
         write_atomically(os.path.join(ckpt_dir, DRIVER_STATE), json.dumps({"step": step, **state}))
     except OSError as e:

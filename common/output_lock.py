@@ -27,11 +27,17 @@ def hold_output_folders(*folders: str, rank: int = 0) -> None:
     if rank != 0:
         return
     folders = sorted({os.path.abspath(f) for f in folders if f})
+    taken = []
     for folder in folders:
-        if any(folder.startswith(other + os.sep) for other in folders):
+        if folder in _held or any(folder.startswith(other + os.sep) for other in folders):
             continue
-        if folder not in _held:
+        try:
             _held[folder] = _lock(folder)
+        except UserError:
+            for other in taken:  # the caller goes on without any of them (a test; a script ends here)
+                _held.pop(other).close()
+            raise
+        taken.append(folder)
 
 
 def _lock(folder: str):
@@ -53,3 +59,10 @@ def _lock(folder: str):
                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
     handle.flush()
     return handle
+
+
+def release_output_folders() -> None:
+    """Let go of every folder this process holds, as its end would: for a caller that runs a script's main in its
+    own process and goes on (a test)."""
+    while _held:
+        _held.popitem()[1].close()  # closing the last descriptor of the file drops its lock

@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from common import data
 from common.args import UserError, check_decoder_only
 from common.deadlines import DeadlinePassed, within_deadline
+from common.logging_utils import phase
 from common.modeling import sequence_rewards
 
 
@@ -253,10 +254,11 @@ def score_responses(model_scores: list, reward_fn, remote_rm_url: str | None, we
     """The weighted sum (combine_rewards) of every reward source's score of each response, and each source's scores
     by name (rm0, rm1, ..., rule, remote). `model_scores`: the reward models' scores, computed by the caller."""
     sources = {f"rm{i}": scores for i, scores in enumerate(model_scores)}
-    if reward_fn:
-        sources["rule"] = call_reward_fn(reward_fn, prompts, responses, labels)
-    if remote_rm_url:
-        sources["remote"] = remote_reward(remote_rm_url, prompts, responses, labels)
+    with phase("reward"):
+        if reward_fn:
+            sources["rule"] = call_reward_fn(reward_fn, prompts, responses, labels)
+        if remote_rm_url:
+            sources["remote"] = remote_reward(remote_rm_url, prompts, responses, labels)
     return combine_rewards(list(sources.values()), weights, dtype), sources
 
 

@@ -45,6 +45,10 @@ ENGINE_START_TIMEOUT_S = 1800
 # stuck collective in tensor parallelism, a wedged GPU) otherwise keeps the run waiting, alive to the eye, for ever.
 GENERATE_TIMEOUT_S = 1800
 
+# Seconds an engine may take to answer "are you there?" while a call that involves it (the weight sync) is under way:
+# its calls run one at a time, so a longer silence means one of them is stuck.
+ENGINE_ANSWER_TIMEOUT_S = 60
+
 # KV cache of an engine on CPU when VLLM_CPU_KVCACHE_SPACE is unset: vLLM's own default reserves a share of all RAM.
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
@@ -414,7 +418,8 @@ class EngineDied(RuntimeError):
 
 
 class EngineHung(EngineDied):
-    """A vLLM engine has not answered for GENERATE_TIMEOUT_S; the run stops as for a dead one."""
+    """A vLLM engine has stopped answering (GENERATE_TIMEOUT_S, ENGINE_ANSWER_TIMEOUT_S); the run stops as for a dead
+    one."""
 
 
 def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
@@ -444,9 +449,9 @@ def collect(engines: list, refs: list, timeout: float | None = None) -> list[lis
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
             late = [i for i, ref in enumerate(refs) if ref in pending]
-            raise EngineHung(f"vLLM engine(s) {late} of {len(engines)} handed back no responses within {timeout:g} s "
-                             f"of generation (GENERATE_TIMEOUT_S); an engine is hung (its log, under the Ray "
-                             f"session's logs, says where)")
+            raise EngineHung(f"vLLM engine(s) {late} of {len(engines)} handed back no responses for {timeout:g} s "
+                             f"(GENERATE_TIMEOUT_S): hung while generating (the engine's log, under the Ray "
+                             f"session's, says where)")
     try:
         results = ray.get(refs)
     except ray.exceptions.RayActorError as e:
@@ -470,13 +475,23 @@ def shutdown_engines(engines: list, timeout_s: float = 30.0) -> None:
 
 
 def wait_for(refs: list, engines: list, what: str) -> list:
-    """ray.get(refs), checking every few seconds that the engines still live: a broadcast to a dead engine would
-    otherwise wait for the process group's timeout."""
+    """ray.get(refs), checking every few seconds that the engines still live and answer: a broadcast to a dead
+    engine, or one stuck inside the sync, would otherwise wait for the process group's timeout (10 minutes)."""
     def check_engines():
-        try:
-            ray.get([e.ready.remote() for e in engines], timeout=60)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            raise EngineDied(f"a vLLM engine died during {what} ({type(e).__name__})") from None
+        asked = [e.ready.remote() for e in engines]
+        answered, _ = ray.wait(asked, num_returns=len(asked), timeout=ENGINE_ANSWER_TIMEOUT_S)
+        for i, ref in enumerate(asked):
+            if ref in answered:
+                try:
+                    ray.get(ref)  # a dead engine's answer is its error
+                except ray.exceptions.RayActorError as e:
+                    raise EngineDied(f"a vLLM engine died during {what} (engine {i} of {len(engines)}, "
+                                     f"{type(e).__name__})") from None
+        late = [i for i, ref in enumerate(asked) if ref not in answered]
+        if late:
+            raise EngineHung(f"vLLM engine(s) {late} of {len(engines)} did not answer for "
+                             f"{ENGINE_ANSWER_TIMEOUT_S:g} s during {what} (ENGINE_ANSWER_TIMEOUT_S): stuck inside it, "
+                             f"while the other members of its process group wait for them")
 
     while True:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
