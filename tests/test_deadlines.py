@@ -37,29 +37,33 @@ def test_a_reward_function_that_never_returns_ends_in_one_sentence(tmp_path):
     The batch is not retried one sample at a time, as a raising function's is: each try would hang as long."""
     (tmp_path / "judge.py").write_text("import time\n\n\ndef reward_fn(prompts, responses, labels):\n"
                                        "    time.sleep(3600)\n")
-    fn = rewards.load_reward_fn(f"{tmp_path}/judge.py:reward_fn", timeout=0.5)
+    fn = rewards.load_reward_fn(f"{tmp_path}/judge.py:reward_fn", timeout=1)
     start = time.time()
     with pytest.raises(DeadlinePassed) as stop:
         rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS)
-    assert time.time() - start < 1.5, "the batch was retried sample by sample"
-    assert str(stop.value) == ("reward function reward_fn did not return within 0.5 s (--reward_timeout); make it "
+    assert time.time() - start < 1.8, "the batch was retried sample by sample"
+    assert str(stop.value) == ("reward function reward_fn did not return within 1 s (--reward_timeout); make it "
                                "answer sooner (a server or sandbox it waits on may hang), or raise --reward_timeout.")
 
 
 def test_a_reward_function_within_its_deadline_answers_as_it_would_without_one(tmp_path):
-    """The deadline's thread hands back the answer and the exception as they were; 0 calls the function in the
-    caller's thread, where a function may set its own signal handlers (Python allows that in the main thread only)."""
-    (tmp_path / "rule.py").write_text("import signal\nimport threading\n\n\n"
-                                      "def reward_fn(prompts, responses, labels):\n"
-                                      "    if threading.current_thread() is threading.main_thread():\n"
-                                      "        signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))\n"
-                                      "    return [float(int(r) == int(y)) for r, y in zip(responses, labels)]\n")
-    spec = f"{tmp_path}/rule.py:reward_fn"
-    for timeout in (5.0, 0):
-        fn = rewards.load_reward_fn(spec, timeout=timeout)
+    """The deadline's thread hands back the answer and the exception as they were. A function that sets a signal
+    handler, as a SIGALRM timeout does, cannot run there (Python allows it in the main thread only): 0 calls it in
+    the caller's thread, without a deadline."""
+    (tmp_path / "rule.py").write_text("import signal\n\n\n"
+                                      "def exact(prompts, responses, labels):\n"
+                                      "    return [float(int(r) == int(y)) for r, y in zip(responses, labels)]\n\n\n"
+                                      "def exact_with_an_alarm(prompts, responses, labels):\n"
+                                      "    signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))\n"
+                                      "    return exact(prompts, responses, labels)\n")
+    for name, timeout in (("exact", 5.0), ("exact_with_an_alarm", 0)):
+        fn = rewards.load_reward_fn(f"{tmp_path}/rule.py:{name}", timeout=timeout)
         assert rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS) == [1.0, 1.0, 1.0, 0.0]
         with pytest.raises(UserError, match="raised ValueError: invalid literal .* on sample 1 of the batch"):
             rewards.call_reward_fn(fn, PROMPTS, ["2", "four", "6", "8"], LABELS)
+    fn = rewards.load_reward_fn(f"{tmp_path}/rule.py:exact_with_an_alarm", timeout=5.0)
+    with pytest.raises(UserError, match="raised ValueError: signal only works in main thread"):
+        rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS)
 
 
 @pytest.mark.parametrize("hangs", ["reset", "step"])
