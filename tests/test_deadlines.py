@@ -4,7 +4,8 @@ Each wait on something outside the driver's own code (the reward function, an en
 vLLM generation) ends past its deadline in one sentence naming what it waited for and how long; here each is held to
 a deadline of a second or less. A run holds its output folder with an OS lock, and a second run started on it is
 refused naming the first's pid and host. One ppo_ray.py run puts the two together end to end: a reward function that
-hangs at its second call, a second start refused meanwhile, the stop's sentence, and the rerun that resumes.
+hangs at its second call, a second start refused meanwhile, and the stop's sentence (with the rerun that resumes, in
+the extended tier).
 """
 
 import json
@@ -228,15 +229,30 @@ def test_a_folder_inside_a_held_one_is_covered_by_its_lock(tmp_path):
         holder.wait()
 
 
+def test_a_checkpoint_whose_folder_was_removed_mid_write_says_so_not_that_the_disk_is_full(tmp_path):
+    """Two runs in one folder: the other's rotation removed step 69's folder while this one wrote into it, and the
+    sentence said "73,253 MiB free on its disk ... Make room there". A write into a vanished folder now says that."""
+    import torch
+
+    from common.checkpoint import describe
+
+    gone = tmp_path / "checkpoints" / ".partial" / "step_69"
+    with pytest.raises(RuntimeError) as error:
+        torch.save({}, str(gone / "rng_rank0.pt"))  # what DeepSpeed's checkpoint engine calls
+    assert describe(error.value, str(gone)) == (f"RuntimeError: Parent directory {gone} does not exist: a folder it "
+                                                f"wrote into was removed meanwhile, by another process or a clean-up")
+    with pytest.raises(OSError) as full:
+        open("/dev/full", "w").write("x" * 2**16)
+    assert describe(full.value, str(tmp_path)).endswith(" MiB free on its disk")
+
+
 # ------------------------------------------------------------------------------------------------ end to end
-@pytest.mark.slow
-def test_ppo_ray_hung_in_its_reward_refuses_a_second_start_stops_in_one_sentence_and_resumes(tiny_model, task,
-                                                                                            tmp_path):
+def hang_in_the_reward_and_start_again(tiny_model, task, tmp_path) -> tuple[list[str], str, object]:
     """The issue's two cases as a new user met them: a second start of the same command while the first runs (it
     resumed from the first's checkpoint and both wrote into one checkpoints/ and metrics.jsonl), and a reward function
     that stops answering at its second call. The second start is refused naming the first's pid and host; the hung
-    call ends the run after --reward_timeout with the stop's sentence, the checkpoint of step 1 intact; the same
-    command, once the judge answers again, resumes at step 1 and finishes."""
+    call ends the first run after --reward_timeout with the stop's sentence, the checkpoint of step 1 intact. Returns
+    the command, its checkpoint folder and the file whose presence hangs the reward function."""
     out = str(tmp_path / "ppo")
     hang = tmp_path / "judge_hangs"
     hang.write_text("")
@@ -249,11 +265,11 @@ def test_ppo_ray_hung_in_its_reward_refuses_a_second_start_stops_in_one_sentence
     argv = command("ppo_ray", tiny_model, task, out, "--advantage_estimator", "rloo", "--n_samples_per_prompt", "2",
                    "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "8",
                    "--max_steps", "2", "--save_steps", "1", "--reward_fn", f"{tmp_path}/judge.py:reward_fn",
-                   "--reward_timeout", "10")
+                   "--reward_timeout", "5")
     checkpoints = os.path.join(out, "checkpoints")
     first = run_script("ppo_ray.py", argv, background=True)
     try:
-        lock = os.path.join(out, LOCK_FILE)
+        lock = os.path.join(out, LOCK_FILE)  # taken before Ray starts: the second start comes while the first runs
         deadline = time.time() + 300
         while first.poll() is None and time.time() < deadline and not (
                 os.path.exists(lock) and f"pid {first.pid} " in open(lock).read()):
@@ -272,16 +288,30 @@ def test_ppo_ray_hung_in_its_reward_refuses_a_second_start_stops_in_one_sentence
 
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert first.returncode == 2 and len(errors) == 1 and "Traceback" not in output, output[-3000:]
-    assert errors[0] == (f"error: reward function reward_fn did not return within 10 s (--reward_timeout); make it "
+    assert errors[0] == (f"error: reward function reward_fn did not return within 5 s (--reward_timeout); make it "
                          f"answer sooner (a server or sandbox it waits on may hang), or raise --reward_timeout. The "
                          f"run stopped at step 2; the checkpoint of step 1 in {checkpoints} is intact. Rerun the same "
                          f"command to resume."), errors[0]
     assert json.load(open(os.path.join(checkpoints, "driver_state.json")))["step"] == 1
+    assert [m["step"] for m in metrics(out)] == [1]  # one writer: every line is JSON, and step 1's is there once
+    return argv, checkpoints, hang
 
-    hang.unlink()  # the judge answers again
+
+@pytest.mark.slow
+def test_ppo_ray_hung_in_its_reward_refuses_a_second_start_and_stops_in_one_sentence(tiny_model, task, tmp_path):
+    """One ppo_ray.py run (~40-80 s on 2 cores); that the rerun of a stopped run resumes is shown for a reward
+    function that raises by test_bad_inputs.py, and for this hang by the extended test below."""
+    hang_in_the_reward_and_start_again(tiny_model, task, tmp_path)
+
+
+@pytest.mark.extended
+def test_ppo_ray_hung_in_its_reward_resumes_once_the_judge_answers(tiny_model, task, tmp_path):
+    """The same command, once the judge answers again, resumes at step 1 and finishes."""
+    argv, checkpoints, hang = hang_in_the_reward_and_start_again(tiny_model, task, tmp_path)
+    hang.unlink()
     rerun = run_script("ppo_ray.py", argv, timeout=600)
     assert f"resumed from {checkpoints} at step 1" in rerun.stdout, rerun.stdout[-3000:]
-    assert [m["step"] for m in metrics(out) if "objective/scores" in m] == [1, 2]
+    assert [m["step"] for m in metrics(os.path.dirname(checkpoints)) if "objective/scores" in m] == [1, 2]
 
 
 # ------------------------------------------------------------------------------------------ where a run is
