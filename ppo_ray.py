@@ -34,7 +34,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from common import lora, memory_plan, multi_turn, rewards
+from common import lora, memory_plan, multi_turn, output_lock, rewards
 from common import ppo_tricks as tricks
 from common.args import Interrupted, UserError, parse_args, run_main
 from common.checkpoint import (SaveFailed, check_driver_resume, checkpoint_dir, load_driver_checkpoint,
@@ -45,7 +45,6 @@ from common.deepspeed_utils import load_tokenizer, trained_zero_stage
 from common.logging_utils import MetricsLogger, batch_means, mean_over_ranks, progress, timed
 from common.model_worker import ModelWorker, micro_rollout, split
 from common.modeling import router_loss, token_logprobs
-from common.output_lock import hold_output_folders
 from common.placement import connect, drives_the_run, place_roles, start_ray
 from common.ppo_checks import check_args, check_tokenizers
 from common.ppo_tricks import clip_range, uses_reference  # one predicate for this script and the memory plan
@@ -923,7 +922,7 @@ def main(args: Args):
                                     args.prompt_max_len + args.generate_max_len,
                                     pretrain_mode=True) if args.ptx_data else None
 
-    hold_output_folders(args.output_dir, checkpoint_dir(args))
+    output_lock.hold_output_folders(args.output_dir, checkpoint_dir(args))
     start_ray(args, ROOT)
     if use_gpus():
         memory_plan.preflight(args)
