@@ -71,7 +71,7 @@ from common.checkpoint import SaveFailed, describe, write_atomically
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import MetricsLogger, progress
 from common.output_lock import hold_output_folders
-from common.vllm_engine import create_vllm_engines, shutdown_engines
+from common.vllm_engine import EngineHung, create_vllm_engines, first_answer, shutdown_engines
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -302,13 +302,15 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
         results = [None] * len(chunks)
         bar = progress(len(prompt_ids) * args.n_samples_per_prompt, 0, desc)
         while pending:
-            [done], _ = ray.wait(list(pending))
+            done = first_answer(list(pending), {ref: c % len(engines) for ref, c in pending.items()}, len(engines))
             c = pending.pop(done)
             results[c] = ray.get(done)
             bar.update(len(results[c]) * args.n_samples_per_prompt)
         bar.close()
         sampling_seconds = time.time() - start
         shutdown_engines(engines)
+    except EngineHung as e:
+        raise UserError(f"{e}; {finished_note(args)}. Rerun the same command to resume.") from None
     finally:
         ray.shutdown()
         stop_on_sigterm()  # Ray's core worker leaves SIGTERM at its default (death, no word) when it shuts down

@@ -440,18 +440,26 @@ def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperatu
                               max_tokens=dealt(max_tokens, i), seeds=dealt(seeds, i)) for i, e in enumerate(engines)]
 
 
-def collect(engines: list, refs: list, timeout: float | None = None) -> list[list[dict]]:
-    """start_generate's samples, back in the order of its prompts (collecting twice gives the same). Each engine
-    that answers restarts the clock; `timeout` (default GENERATE_TIMEOUT_S) seconds without one raises EngineHung."""
+def first_answer(pending: list, engine_of: dict, num_engines: int, timeout: float | None = None):
+    """The first of the `pending` generate calls to finish. `timeout` (default GENERATE_TIMEOUT_S) seconds without
+    one raises EngineHung naming the engines (engine_of[ref]) still at work: each answer restarts the clock, so a
+    long rollout over many engines is not cut short, and a hung engine does not hold the run up for ever."""
     timeout = timeout or GENERATE_TIMEOUT_S
-    pending = list(refs)
+    done, _ = ray.wait(pending, num_returns=1, timeout=timeout)
+    if not done:
+        late = sorted({engine_of[ref] for ref in pending})
+        raise EngineHung(f"vLLM engine(s) {late} of {num_engines} handed back no responses for {timeout:g} s "
+                         f"(GENERATE_TIMEOUT_S): hung while generating (the engine's log, under the Ray session's, "
+                         f"says where)")
+    return done[0]
+
+
+def collect(engines: list, refs: list, timeout: float | None = None) -> list[list[dict]]:
+    """start_generate's samples, back in the order of its prompts (collecting twice gives the same); EngineHung
+    past first_answer's `timeout`."""
+    pending, engine_of = list(refs), {ref: i for i, ref in enumerate(refs)}
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not done:
-            late = [i for i, ref in enumerate(refs) if ref in pending]
-            raise EngineHung(f"vLLM engine(s) {late} of {len(engines)} handed back no responses for {timeout:g} s "
-                             f"(GENERATE_TIMEOUT_S): hung while generating (the engine's log, under the Ray "
-                             f"session's, says where)")
+        pending.remove(first_answer(pending, engine_of, len(engines), timeout))
     try:
         results = ray.get(refs)
     except ray.exceptions.RayActorError as e:
