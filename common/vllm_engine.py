@@ -18,6 +18,7 @@ engines' GPU memory to the trainer between rollouts.
 import json
 import logging
 import os
+import time
 
 import ray
 from ray.util.placement_group import placement_group as new_placement_group
@@ -26,8 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from common.args import UserError, check_model_path, config_file
 from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
-from common.ray_workers import check_alive, wait
-from common.weight_sync import checkpoint_tensor_names
+from common.ray_workers import WorkerHung, check_alive, wait
+from common.weight_sync import SYNC_TIMEOUT, checkpoint_tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -482,9 +483,12 @@ def shutdown_engines(engines: list, timeout_s: float = 30.0) -> None:
             pass
 
 
-def wait_for(refs: list, engines: list, what: str) -> list:
+def wait_for(refs: list, engines: list, what: str, timeout: float = SYNC_TIMEOUT.total_seconds()) -> list:
     """ray.get(refs), checking every few seconds that the engines still live and answer: a broadcast to a dead
-    engine, or one stuck inside the sync, would otherwise wait for the process group's timeout (10 minutes)."""
+    engine, or one stuck inside the sync, would otherwise wait for the process group's timeout (10 minutes). The
+    trainer's workers (`refs`, one call per rank) get `timeout` seconds in all, the process group's own: past it, the
+    ranks whose call has not returned are named (WorkerHung)."""
+    deadline = time.monotonic() + timeout
     def check_engines():
         asked = [e.ready.remote() for e in engines]
         answered, _ = ray.wait(asked, num_returns=len(asked), timeout=ENGINE_ANSWER_TIMEOUT_S)
@@ -511,3 +515,8 @@ def wait_for(refs: list, engines: list, what: str) -> list:
                 check_engines()
                 raise
         check_engines()
+        if time.monotonic() > deadline:
+            late = [i for i, ref in enumerate(refs) if ref not in done]
+            raise WorkerHung(f"rank(s) {late} of the {len(refs)} trainer workers in {what} did not finish it within "
+                             f"{timeout:g} s while the vLLM engines answered: stuck inside it (a collective that a "
+                             f"rank never joined)")

@@ -28,6 +28,7 @@ from common.deadlines import DeadlinePassed
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import phase, progress, timed
 from common.output_lock import LOCK_FILE, hold_output_folders, release_output_folders
+from common.ray_workers import WorkerHung
 
 PROMPTS, RESPONSES, LABELS = ["1+1=", "2+2=", "3+3=", "4+4="], ["2", "4", "6", "9"], ["2", "4", "6", "8"]
 
@@ -126,9 +127,11 @@ def test_a_remote_reward_model_that_accepts_and_never_answers_ends_in_one_senten
 @pytest.mark.slow
 def test_a_generation_or_a_sync_that_an_engine_never_finishes_ends_in_one_sentence(monkeypatch):
     """collect waited on the engines' generate with ray.get and no deadline; the weight sync's wait took an engine
-    stuck inside it for a dead one ("a vLLM engine died ... (GetTimeoutError)"). Each now names the engines that did
-    not answer, and the PPO loop turns it into its stop sentence as it does a dead engine's. The engines here are Ray
-    actors that run their calls one at a time, as a vLLM engine's actor does: the driver's waits are what is tested."""
+    stuck inside it for a dead one ("a vLLM engine died ... (GetTimeoutError)"), and waited without end on a trainer
+    rank stuck inside it while the engines idled. Each now names the engines or ranks that did not answer, and the PPO
+    loop turns it into its stop sentence as it does a dead one's. The engines and the trainer rank here are Ray actors
+    that run their calls one at a time, as a vLLM engine's actor does: the driver's waits are what is tested, each
+    deadline lowered to a second or two."""
     import ray
 
     from common import vllm_engine
@@ -149,7 +152,8 @@ def test_a_generation_or_a_sync_that_an_engine_never_finishes_ends_in_one_senten
              object_store_memory=80 * 2**20)
     try:
         generating, syncing = ([ray.remote(Engine).options(num_cpus=0).remote() for _ in range(2)] for _ in range(2))
-        ray.get([e.ready.remote() for e in generating + syncing])
+        trainer = ray.remote(Engine).options(num_cpus=0).remote()  # a trainer rank that blocks inside the sync
+        ray.get([e.ready.remote() for e in generating + syncing + [trainer]])
         start = time.time()
         with pytest.raises(vllm_engine.EngineHung) as hung_generating:
             vllm_engine.collect(generating, [e.generate.remote(i == 1) for i, e in enumerate(generating)], timeout=1)
@@ -157,16 +161,24 @@ def test_a_generation_or_a_sync_that_an_engine_never_finishes_ends_in_one_senten
         monkeypatch.setattr(vllm_engine, "ENGINE_ANSWER_TIMEOUT_S", 1)
         with pytest.raises(vllm_engine.EngineHung) as hung_syncing:
             vllm_engine.wait_for([syncing[1].receive_bucket.remote()], syncing, "the weight sync")
-        sync_took = time.time() - start
+        sync_took, start = time.time() - start, time.time()
+        with pytest.raises(WorkerHung) as hung_trainer:
+            vllm_engine.wait_for([syncing[0].ready.remote(), trainer.receive_bucket.remote()], syncing[:1],
+                                 "the weight sync", timeout=2)
+        trainer_took = time.time() - start
     finally:
         ray.shutdown()
-    assert 1 <= generate_took < 5 and sync_took < 15, (generate_took, sync_took)
+    assert 1 <= generate_took < 5 and sync_took < 15 and 2 <= trainer_took < 15, (generate_took, sync_took,
+                                                                                   trainer_took)
     assert str(hung_generating.value) == ("vLLM engine(s) [1] of 2 handed back no responses for 1 s "
                                           "(GENERATE_TIMEOUT_S): hung while generating (the engine's log, under the "
                                           "Ray session's, says where)")
     assert str(hung_syncing.value) == ("vLLM engine(s) [1] of 2 did not answer for 1 s during the weight sync "
                                        "(ENGINE_ANSWER_TIMEOUT_S): stuck inside it, while the other members of its "
                                        "process group wait for them")
+    assert str(hung_trainer.value) == ("rank(s) [1] of the 2 trainer workers in the weight sync did not finish it "
+                                       "within 2 s while the vLLM engines answered: stuck inside it (a collective that "
+                                       "a rank never joined)")
 
 
 # ------------------------------------------------------------------------------------- one run per output folder
