@@ -46,6 +46,7 @@ from common.deepspeed_utils import (check_reference_tokenizer, device, ds_config
                                     load_tokenizer, trained_zero_stage)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import next_token_logprobs, response_start, router_loss, sequence_sums
+from common.output_lock import hold_output_folders
 
 
 @dataclass
@@ -300,6 +301,7 @@ def main(args: Args):
                                            lambda msg: print_rank0(launcher_rank, msg))
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
     checkpoint.check_not_past_end(ckpt_dir, total_steps)
+    hold_output_folders(args.output_dir, ckpt_dir, rank=launcher_rank)
 
     rank, world_size, local_rank = init_distributed()
     settings["the number of ranks"] = world_size  # as formed: an MPI launch may set no WORLD_SIZE

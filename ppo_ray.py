@@ -33,7 +33,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from common import lora, memory_plan, rewards
+from common import lora, memory_plan, output_lock, rewards
 from common import ppo_tricks as tricks
 from common.args import Interrupted, UserError, parse_args, run_main
 from common.checkpoint import (SaveFailed, check_driver_resume, checkpoint_dir, load_driver_checkpoint,
@@ -145,6 +145,8 @@ class Args:
     """a reward model served over HTTP: POST {prompts, responses, labels} -> {rewards}"""
     env_fn: str | None = None
     """a multi-turn environment instead of the reward sources, 'path.py:make_env' (see common/multi_turn.py)"""
+    reward_timeout: float = 600.0
+    """seconds a --reward_fn call, or an --env_fn environment's reset or step, may take before the run stops"""
     max_turns: int = 4
     """the policy's turns per --env_fn episode at most"""
     critic_pretrain: str | None = None
@@ -776,7 +778,7 @@ def main(args: Args):
     if args.dry_run:
         memory_plan.dry_run(args)
         return
-    reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_fn = rewards.load_reward_fn(args.reward_fn, timeout=args.reward_timeout) if args.reward_fn else None
     if args.env_fn:
         env_factory(args.env_fn)  # a wrong path or name stops the run here, before Ray starts
     tokenizer = load_tokenizer(args.pretrain)
@@ -791,6 +793,7 @@ def main(args: Args):
                                     args.prompt_max_len + args.generate_max_len,
                                     pretrain_mode=True) if args.ptx_data else None
 
+    output_lock.hold_output_folders(args.output_dir, checkpoint_dir(args))
     start_ray(args, ROOT)
     if use_gpus():
         memory_plan.preflight(args)

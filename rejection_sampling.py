@@ -70,7 +70,8 @@ from common.args import (UserError, check_causal_lm, check_decoder_only, check_l
 from common.checkpoint import SaveFailed, describe, write_atomically
 from common.deepspeed_utils import load_tokenizer
 from common.logging_utils import MetricsLogger, progress
-from common.vllm_engine import create_vllm_engines, shutdown_engines
+from common.output_lock import hold_output_folders
+from common.vllm_engine import EngineHung, create_vllm_engines, first_answer, shutdown_engines
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -135,6 +136,8 @@ class Args:
     """reward models saved by rm.py, one or more; each must use the policy's tokenizer"""
     reward_fn: str | None = None
     """a rule-based reward, path/to/file.py:function, called as function(prompts, responses, labels) -> floats"""
+    reward_timeout: float = 600.0
+    """seconds a --reward_fn call may take before the run stops (0: no limit)"""
     remote_rm_url: str | None = None
     """a reward model served over HTTP: POST {"prompts", "responses", "labels"}, answer {"rewards"}"""
     reward_weights: list[float] = field(default_factory=list)
@@ -299,13 +302,15 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
         results = [None] * len(chunks)
         bar = progress(len(prompt_ids) * args.n_samples_per_prompt, 0, desc)
         while pending:
-            [done], _ = ray.wait(list(pending))
+            done = first_answer(list(pending), {ref: c % len(engines) for ref, c in pending.items()}, len(engines))
             c = pending.pop(done)
             results[c] = ray.get(done)
             bar.update(len(results[c]) * args.n_samples_per_prompt)
         bar.close()
         sampling_seconds = time.time() - start
         shutdown_engines(engines)
+    except EngineHung as e:
+        raise UserError(f"{e}; {finished_note(args)}. Rerun the same command to resume.") from None
     finally:
         ray.shutdown()
         stop_on_sigterm()  # Ray's core worker leaves SIGTERM at its default (death, no word) when it shuts down
@@ -429,7 +434,7 @@ def main(args: Args):
         rewards.check_same_tokenizer(tokenizer, load_tokenizer(path, "--reward_pretrain"),
                                      f"--pretrain {args.pretrain}", f"--reward_pretrain {path}",
                                      args.apply_chat_template)
-    reward_fn = rewards.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_fn = rewards.load_reward_fn(args.reward_fn, timeout=args.reward_timeout) if args.reward_fn else None
     rows = data.load_records(args.dataset, args.dataset_split)[: args.max_samples or None]
     if not rows:
         raise data.DataError(f"dataset {args.dataset} is empty.")
@@ -438,6 +443,7 @@ def main(args: Args):
     all_labels = data.get_labels(rows, args.label_key, args.dataset, print if read else lambda message: None)
     all_ids = tokenize_prompts(tokenizer, all_prompts, args, args.dataset)
 
+    hold_output_folders(args.output_dir)
     state = load_state(args)
     rounds, n = max(args.iterations, 1), args.n_samples_per_prompt
     if state["finished_iterations"] >= rounds:

@@ -47,6 +47,7 @@ from common.deepspeed_utils import (device, ds_config, gradient_accumulation_ste
                                     launcher_world, load_model, load_tokenizer, trained_zero_stage)
 from common.logging_utils import MetricsLogger, print_rank0, progress
 from common.modeling import packed_sequence_rewards, router_loss, sequence_rewards
+from common.output_lock import hold_output_folders
 
 
 @dataclass
@@ -246,6 +247,7 @@ def main(args: Args):
     widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
     checkpoint.check_not_past_end(ckpt_dir, total_steps)
+    hold_output_folders(args.output_dir, ckpt_dir, rank=launcher_rank)
 
     rank, world_size, local_rank = init_distributed()
     settings["the number of ranks"] = world_size  # as formed: an MPI launch may set no WORLD_SIZE

@@ -306,7 +306,7 @@ RANGES = {"learning_rate": _positive, "actor_learning_rate": _positive, "critic_
           "max_steps": _at_least_0, "eval_steps": _at_least_0, "save_steps": _at_least_0, "max_epochs": _at_least_1,
           "train_batch_size": _at_least_1, "micro_train_batch_size": _at_least_1, "logging_steps": _at_least_1,
           "rollout_batch_size": _at_least_1, "n_samples_per_prompt": _at_least_1,
-          "micro_rollout_batch_size": _at_least_1}
+          "micro_rollout_batch_size": _at_least_1, "reward_timeout": _at_least_0}
 
 
 def parse_args(cls, argv: list[str] | None = None):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from common import lora
 from common.args import UserError
 from common.data import merged_eos_ids
+from common.logging_utils import phase
 
 LATEST = "latest"
 
@@ -134,11 +135,18 @@ class SaveFailed(UserError):
     """A checkpoint or model could not be written: a full disk, a quota, a folder that refuses writes."""
 
 
+# How describe() ends a failure whose folder, or a file in it, was removed while the run wrote into it.
+REMOVED = "a folder it wrote into was removed meanwhile"
+
+
 def describe(error: Exception, folder: str | None = None) -> str:
     """An exception as a short clause: its type, the first line of its message and, with `folder`, the space left
-    on the disk that holds it (torch.save reports a full disk as "unexpected pos 3480384 vs 3480272")."""
+    on the disk that holds it (torch.save reports a full disk as "unexpected pos 3480384 vs 3480272"). A file or
+    folder that vanished mid-write is said to have been removed (REMOVED): the space left has nothing to do with it."""
     lines = str(error).strip().splitlines()
     text = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+    if isinstance(error, FileNotFoundError) or "does not exist" in text:  # (torch.save: "Parent directory ...")
+        return f"{text.rstrip('.')}: {REMOVED}, by another process or a clean-up"
     while folder and not os.path.exists(folder):
         folder = os.path.dirname(folder)
     return f"{text}; {shutil.disk_usage(folder).free / 2**20:,.0f} MiB free on its disk" if folder else text
@@ -299,8 +307,9 @@ def save_train_state(engines: dict, ckpt_dir: str, step: int, client_state: dict
     if failure:
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # the space it took is the user's again
+        fix = "Find what removed it" if REMOVED in failure else "Make room there"
         raise SaveFailed(f"could not write the checkpoint of step {step} into {ckpt_dir} ({failure}); "
-                         f"{saved_note(ckpt_dir)}. Make room there and rerun the same command to resume.")
+                         f"{saved_note(ckpt_dir)}. {fix} and rerun the same command to resume.")
 
 
 def commit(partial: str, ckpt_dir: str, tag: str, keep_last: int | None, settings: dict | None) -> None:
@@ -437,8 +446,9 @@ def check_driver_resume(ckpt_dir: str, settings: dict, max_steps: int) -> None:
 def save_driver_checkpoint(ckpt_dir: str, groups: dict, step: int, state: dict, keep_last: int) -> None:
     """Every trained role's worker group (`groups`, by name) saves its state, then the driver's state file commits
     the step; only then are older checkpoints pruned."""
-    for name, group in groups.items():
-        group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
+    with phase("checkpoint"):
+        for name, group in groups.items():
+            group.get(group.call("save_state", os.path.join(ckpt_dir, name), step))
     try:
         write_atomically(os.path.join(ckpt_dir, DRIVER_STATE), json.dumps({"step": step, **state}))
     except OSError as e:

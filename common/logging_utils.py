@@ -1,4 +1,5 @@
-"""Metrics logging on rank 0: a JSONL file always, tensorboard when installed, wandb when asked; progress reports.
+"""Metrics logging on rank 0: a JSONL file always, tensorboard when installed, wandb when asked; progress reports,
+which name the phase a run is waiting on.
 
 Metric names follow TRL's namespaces (`train/loss`, `objective/kl`, `rewards/accuracies`, ...) so runs can be
 compared with other libraries. wandb runs offline unless WANDB_API_KEY is set.
@@ -7,6 +8,7 @@ compared with other libraries. wandb runs offline unless WANDB_API_KEY is set.
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -85,10 +87,15 @@ def gpu_peak_memory_gib() -> float | None:
 
 
 def progress(total: int, rank: int, desc: str, initial: int = 0):
-    """A tqdm bar on rank 0 in a terminal; a line every ~5% of the way in a log file; silent on other ranks."""
+    """A tqdm bar on rank 0 in a terminal; a line every ~5% of the way in a log file; silent on other ranks. The
+    latest bar is the one `phase` names its phases in."""
+    global _bar
     if rank == 0 and not sys.stderr.isatty():
-        return LineProgress(total, desc, initial)
-    return tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, dynamic_ncols=True)
+        _bar = LineProgress(total, desc, initial)
+    else:
+        _bar = tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, dynamic_ncols=True)
+    _bar.base_desc = desc
+    return _bar
 
 
 class LineProgress:
@@ -110,6 +117,9 @@ class LineProgress:
     def set_postfix(self, **values) -> None:
         self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
 
+    def set_description_str(self, desc: str) -> None:
+        """Nothing: a phase redrawn in a log file would be a line per phase; a slow one gets its own line."""
+
     def close(self) -> None:
         pass
 
@@ -119,11 +129,46 @@ def print_rank0(rank: int, *args) -> None:
         print(*args, flush=True)
 
 
+# A phase that takes this many times its median so far gets a log line of its own.
+SLOW_FACTOR = 4
+
+_bar = None  # the latest progress bar
+_phases = []  # the phases under way, outermost first
+_durations = {}  # phase -> the seconds each time it ran took
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Name `name` ("generate", "reward", "checkpoint", ...) as the phase the run is waiting on, in its progress bar
+    ("ppo [make_experience > reward]: 3/100"), and say so in one line when it takes more than SLOW_FACTOR times its
+    median so far (after three runs of it): a stall is then visible long before any deadline ends it."""
+    _phases.append(name)
+    _show_phases()
+    start = time.time()
+    try:
+        yield
+    finally:
+        _phases.pop()
+        _show_phases()
+    took, past = time.time() - start, _durations.setdefault(name, [])
+    if len(past) >= 3 and took > SLOW_FACTOR * statistics.median(past):
+        tqdm.write(f"{name} took {took:.1f} s, {took / statistics.median(past):.0f} times its median so far "
+                   f"({statistics.median(past):.1f} s)", file=sys.stderr)
+    past.append(took)
+
+
+def _show_phases() -> None:
+    if _bar is not None:
+        _bar.set_description_str(f"{_bar.base_desc} [{' > '.join(_phases)}]" if _phases else _bar.base_desc)
+
+
 @contextlib.contextmanager
 def timed(timings: dict, name: str):
-    """timings[name] = the seconds the `with` block took."""
+    """timings[name] = the seconds the `with` block took, a phase (`phase`) named after it: "time/generate" is
+    "generate"."""
     start = time.time()
-    yield
+    with phase(name.removeprefix("time/")):
+        yield
     timings[name] = time.time() - start
 
 

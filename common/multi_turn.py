@@ -20,6 +20,7 @@ appended as it is, and the environment formats it.
 """
 
 from common.args import UserError
+from common.deadlines import REWARD_TIMEOUT_S, call_within
 from common.data import SENTINEL, decode_response, render_prompt  # SENTINEL: a turn whose end the template shows
 
 
@@ -51,9 +52,11 @@ def is_added_token(tokenizer, token_id: int) -> bool:
 
 
 def first_ids(tokenizer, env, prompt: dict, chat_template: bool, input_template: str | None,
-              prompt_max_len: int) -> list[int]:
-    """The episode's start: reset's first message rendered as a prompt, or the prompt's own ids when it gives None."""
-    first = env.reset(prompt["prompt"], prompt["label"])
+              prompt_max_len: int, timeout: float = REWARD_TIMEOUT_S) -> list[int]:
+    """The episode's start: reset's first message rendered as a prompt, or the prompt's own ids when it gives None.
+    A reset that takes more than `timeout` seconds stops the run (common/deadlines.py)."""
+    first = call_within(timeout, "the environment's reset()", "--reward_timeout", env.reset, prompt["prompt"],
+                        prompt["label"])
     if first is None:
         return prompt["ids"]
     if not isinstance(first, str):
@@ -66,9 +69,10 @@ def first_ids(tokenizer, env, prompt: dict, chat_template: bool, input_template:
     return ids["input_ids"]
 
 
-def checked_step(env, action_text: str) -> tuple[str, float, bool]:
-    """env.step, with its answer checked: one sentence naming what is wrong, not a failure deep in the trainer."""
-    result = env.step(action_text)
+def checked_step(env, action_text: str, timeout: float = REWARD_TIMEOUT_S) -> tuple[str, float, bool]:
+    """env.step, with its answer checked: one sentence naming what is wrong, not a failure deep in the trainer; a
+    step that takes more than `timeout` seconds stops the run (common/deadlines.py)."""
+    result = call_within(timeout, "the environment's step()", "--reward_timeout", env.step, action_text)
     if not (isinstance(result, tuple) and len(result) == 3):
         raise UserError(f"the environment's step() returned {result!r}; it must return (reply: str, reward: float, "
                         f"done: bool).")
@@ -86,18 +90,20 @@ def checked_step(env, action_text: str) -> tuple[str, float, bool]:
 
 
 def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max_turns: int, max_len: int,
-                 chat_template: bool, input_template: str | None, prompt_max_len: int) -> list[list[dict]]:
+                 chat_template: bool, input_template: str | None, prompt_max_len: int,
+                 timeout: float = REWARD_TIMEOUT_S) -> list[list[dict]]:
     """`n` episodes per prompt, all advanced a turn at a time together; returns samples[prompt][episode] laid out
     as vllm_engine.generate's, plus `prompt_ids` (the episode's start), `env_mask`, `reward` (summed) and `turns`.
 
     `generate(ids_list, max_tokens_list)` samples one continuation of each sequence (a dict with token_ids, logprobs
-    and finish_reason). `max_len` bounds each episode's tokens after the prompt, the environment's included.
+    and finish_reason). `max_len` bounds each episode's tokens after the prompt, the environment's included;
+    `timeout` each call of the environment's reset and step (--reward_timeout).
     """
     episodes = []
     for prompt in prompts:
         for _ in range(n):
             env = make_env()
-            start = first_ids(tokenizer, env, prompt, chat_template, input_template, prompt_max_len)
+            start = first_ids(tokenizer, env, prompt, chat_template, input_template, prompt_max_len, timeout)
             episodes.append({"env": env, "prompt_ids": start, "token_ids": [], "logprobs": [], "env_mask": [],
                              "reward": 0.0, "turns": 0, "done": False, "finish_reason": "stop"})
     for turn in range(max_turns):
@@ -113,7 +119,7 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
             e["env_mask"] += [1] * len(tokens)
             e["turns"] += 1
             e["finish_reason"] = out["finish_reason"]
-            reply, reward, done = checked_step(e["env"], decode_response(tokenizer, before, tokens))
+            reply, reward, done = checked_step(e["env"], decode_response(tokenizer, before, tokens), timeout)
             e["reward"] += reward
             if done or turn == max_turns - 1 or out["finish_reason"] == "length":
                 e["done"] = True

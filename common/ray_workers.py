@@ -271,6 +271,10 @@ class WorkerDied(RuntimeError):
     """A role's worker is gone; the run stops and can be resumed from its last checkpoint."""
 
 
+class WorkerHung(WorkerDied):
+    """A role's worker is alive but has not finished a call that others wait on; the run stops as for a dead one."""
+
+
 def get_alive(refs: list, what: str) -> list:
     """ray.get(refs), except that a worker that died ends the wait within seconds with WorkerDied(`what` died).
 

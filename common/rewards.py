@@ -30,6 +30,8 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from common import data
 from common.args import UserError, check_decoder_only
+from common.deadlines import DeadlinePassed, within_deadline
+from common.logging_utils import phase
 from common.modeling import sequence_rewards
 
 
@@ -59,8 +61,9 @@ def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------- rule-based functions
-def load_reward_fn(spec: str, flag: str = "--reward_fn"):
-    """The function named by `path/to/file.py:function`, loaded from the file by its path."""
+def load_reward_fn(spec: str, flag: str = "--reward_fn", timeout: float | None = None):
+    """The function named by `path/to/file.py:function`, loaded from the file by its path; with `timeout`, each
+    call that takes longer stops the run (--reward_timeout, common/deadlines.py)."""
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():
         raise UserError(f"{flag} {spec!r} must be written path/to/file.py:function_name.")
@@ -75,6 +78,8 @@ def load_reward_fn(spec: str, flag: str = "--reward_fn"):
         functions = sorted(k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", None)
                            == module_name)
         raise UserError(f"{flag} file {path} has no function {name!r}; it defines {functions}.")
+    if timeout is not None:
+        return within_deadline(fn, timeout, f"reward function {name}", "--reward_timeout")
     return fn
 
 
@@ -86,11 +91,15 @@ def call_reward_fn(fn, prompts: list, responses: list[str], labels: list) -> lis
     name = f"reward function {getattr(fn, '__name__', repr(fn))}"
     try:
         rewards = fn(prompts, responses, labels)
+    except DeadlinePassed:  # calling it again, one sample at a time, would hang as long again
+        raise
     except Exception as batch_error:
         failing, error = None, batch_error
         for i in range(len(responses)):
             try:
                 fn(prompts[i: i + 1], responses[i: i + 1], labels[i: i + 1])
+            except DeadlinePassed:
+                raise
             except Exception as e:
                 failing, error = i, e
                 break
@@ -201,8 +210,8 @@ def remote_reward(url: str, prompts: list, responses: list[str], labels: list, t
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
             problem = str(getattr(e, "reason", e))
     else:
-        raise UserError(f"remote reward model {url} did not answer after {retries} tries ({problem}); check that it "
-                        f"is running and the URL is right.")
+        raise UserError(f"remote reward model {url} did not answer after {retries} tries of up to {timeout:g} s each "
+                        f"({problem}); check that it is running and the URL is right.")
     try:
         payload = json.loads(text)
     except json.JSONDecodeError:
@@ -245,10 +254,11 @@ def score_responses(model_scores: list, reward_fn, remote_rm_url: str | None, we
     """The weighted sum (combine_rewards) of every reward source's score of each response, and each source's scores
     by name (rm0, rm1, ..., rule, remote). `model_scores`: the reward models' scores, computed by the caller."""
     sources = {f"rm{i}": scores for i, scores in enumerate(model_scores)}
-    if reward_fn:
-        sources["rule"] = call_reward_fn(reward_fn, prompts, responses, labels)
-    if remote_rm_url:
-        sources["remote"] = remote_reward(remote_rm_url, prompts, responses, labels)
+    with phase("reward"):
+        if reward_fn:
+            sources["rule"] = call_reward_fn(reward_fn, prompts, responses, labels)
+        if remote_rm_url:
+            sources["remote"] = remote_reward(remote_rm_url, prompts, responses, labels)
     return combine_rewards(list(sources.values()), weights, dtype), sources
 
 

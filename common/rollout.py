@@ -124,7 +124,7 @@ class Rollouts:
 
             samples = multi_turn.run_episodes(one_turn, env_factory(args.env_fn), self.tokenizer, prompts, n,
                                               args.max_turns, args.generate_max_len, args.apply_chat_template,
-                                              args.input_template, args.prompt_max_len)
+                                              args.input_template, args.prompt_max_len, args.reward_timeout)
         else:
             samples = generate(cluster.engines, [p["ids"] for p in prompts], n, temperature, args.top_p,
                                args.generate_max_len, sample_seeds(args, *seeded, len(prompts)) if seeded else None)

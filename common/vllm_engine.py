@@ -18,6 +18,7 @@ engines' GPU memory to the trainer between rollouts.
 import json
 import logging
 import os
+import time
 
 import ray
 from ray.util.placement_group import placement_group as new_placement_group
@@ -26,8 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from common.args import UserError, check_model_path, config_file
 from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
-from common.ray_workers import check_alive, wait
-from common.weight_sync import checkpoint_tensor_names
+from common.ray_workers import WorkerHung, check_alive, wait
+from common.weight_sync import SYNC_TIMEOUT, checkpoint_tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,14 @@ COLOCATED_GPU_SHARE = 0.2
 
 # Seconds the engines may take to be placed and load their model before start-up gives up with a sentence.
 ENGINE_START_TIMEOUT_S = 1800
+
+# Seconds a generation may go without any engine handing back its share before the run stops: a hung engine (a
+# stuck collective in tensor parallelism, a wedged GPU) otherwise keeps the run waiting, alive to the eye, for ever.
+GENERATE_TIMEOUT_S = 1800
+
+# Seconds an engine may take to answer "are you there?" while a call that involves it (the weight sync) is under way:
+# its calls run one at a time, so a longer silence means one of them is stuck.
+ENGINE_ANSWER_TIMEOUT_S = 60
 
 # KV cache of an engine on CPU when VLLM_CPU_KVCACHE_SPACE is unset: vLLM's own default reserves a share of all RAM.
 DEFAULT_CPU_KVCACHE_GIB = "1"
@@ -409,6 +418,11 @@ class EngineDied(RuntimeError):
     """A vLLM engine actor is gone; the run stops and can be resumed from its last checkpoint."""
 
 
+class EngineHung(EngineDied):
+    """A vLLM engine has stopped answering (GENERATE_TIMEOUT_S, ENGINE_ANSWER_TIMEOUT_S); the run stops as for a dead
+    one."""
+
+
 def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
              max_tokens: int | list[int], seeds: list[int] | None = None) -> list[list[dict]]:
     """VLLMEngine.generate over all engines, the prompts dealt out in turn; raises EngineDied if one is gone."""
@@ -427,8 +441,26 @@ def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperatu
                               max_tokens=dealt(max_tokens, i), seeds=dealt(seeds, i)) for i, e in enumerate(engines)]
 
 
-def collect(engines: list, refs: list) -> list[list[dict]]:
-    """start_generate's samples, back in the order of its prompts (collecting twice gives the same)."""
+def first_answer(pending: list, engine_of: dict, num_engines: int, timeout: float | None = None):
+    """The first of the `pending` generate calls to finish. `timeout` (default GENERATE_TIMEOUT_S) seconds without
+    one raises EngineHung naming the engines (engine_of[ref]) still at work: each answer restarts the clock, so a
+    long rollout over many engines is not cut short, and a hung engine does not hold the run up for ever."""
+    timeout = timeout or GENERATE_TIMEOUT_S
+    done, _ = ray.wait(pending, num_returns=1, timeout=timeout)
+    if not done:
+        late = sorted({engine_of[ref] for ref in pending})
+        raise EngineHung(f"vLLM engine(s) {late} of {num_engines} handed back no responses for {timeout:g} s "
+                         f"(GENERATE_TIMEOUT_S): hung while generating (the engine's log, under the Ray session's, "
+                         f"says where)")
+    return done[0]
+
+
+def collect(engines: list, refs: list, timeout: float | None = None) -> list[list[dict]]:
+    """start_generate's samples, back in the order of its prompts (collecting twice gives the same); EngineHung
+    past first_answer's `timeout`."""
+    pending, engine_of = list(refs), {ref: i for i, ref in enumerate(refs)}
+    while pending:
+        pending.remove(first_answer(pending, engine_of, len(engines), timeout))
     try:
         results = ray.get(refs)
     except ray.exceptions.RayActorError as e:
@@ -451,14 +483,27 @@ def shutdown_engines(engines: list, timeout_s: float = 30.0) -> None:
             pass
 
 
-def wait_for(refs: list, engines: list, what: str) -> list:
-    """ray.get(refs), checking every few seconds that the engines still live: a broadcast to a dead engine would
-    otherwise wait for the process group's timeout."""
+def wait_for(refs: list, engines: list, what: str, timeout: float = SYNC_TIMEOUT.total_seconds()) -> list:
+    """ray.get(refs), checking every few seconds that the engines still live and answer: a broadcast to a dead
+    engine, or one stuck inside the sync, would otherwise wait for the process group's timeout (10 minutes). The
+    trainer's workers (`refs`, one call per rank) get `timeout` seconds in all, the process group's own: past it, the
+    ranks whose call has not returned are named (WorkerHung)."""
+    deadline = time.monotonic() + timeout
     def check_engines():
-        try:
-            ray.get([e.ready.remote() for e in engines], timeout=60)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            raise EngineDied(f"a vLLM engine died during {what} ({type(e).__name__})") from None
+        asked = [e.ready.remote() for e in engines]
+        answered, _ = ray.wait(asked, num_returns=len(asked), timeout=ENGINE_ANSWER_TIMEOUT_S)
+        for i, ref in enumerate(asked):
+            if ref in answered:
+                try:
+                    ray.get(ref)  # a dead engine's answer is its error
+                except ray.exceptions.RayActorError as e:
+                    raise EngineDied(f"a vLLM engine died during {what} (engine {i} of {len(engines)}, "
+                                     f"{type(e).__name__})") from None
+        late = [i for i, ref in enumerate(asked) if ref not in answered]
+        if late:
+            raise EngineHung(f"vLLM engine(s) {late} of {len(engines)} did not answer for "
+                             f"{ENGINE_ANSWER_TIMEOUT_S:g} s during {what} (ENGINE_ANSWER_TIMEOUT_S): stuck inside it, "
+                             f"while the other members of its process group wait for them")
 
     while True:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
@@ -470,3 +515,8 @@ def wait_for(refs: list, engines: list, what: str) -> list:
                 check_engines()
                 raise
         check_engines()
+        if time.monotonic() > deadline:
+            late = [i for i, ref in enumerate(refs) if ref not in done]
+            raise WorkerHung(f"rank(s) {late} of the {len(refs)} trainer workers in {what} did not finish it within "
+                             f"{timeout:g} s while the vLLM engines answered: stuck inside it (a collective that a "
+                             f"rank never joined)")

@@ -23,6 +23,7 @@ from conftest import ROOT, metrics, run_script
 
 from common.args import parse_args, run_main
 from common.data import load_records
+from common.output_lock import release_output_folders
 
 TRAINERS = ["sft", "rm", "dpo", "kto"]
 SCRIPTS = TRAINERS + ["ppo_ray", "rejection_sampling"]
@@ -50,6 +51,7 @@ def run_in_process(script: str, argv: list[str], capsys) -> tuple[int, str]:
     finally:  # run_main sets these for the run; this process goes on
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        release_output_folders()
     return stop.value.code, capsys.readouterr().err
 
 
