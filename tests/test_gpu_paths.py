@@ -220,8 +220,25 @@ def test_weight_sync_group_leaves_out_the_workers_on_the_trainers_gpu(transports
 def test_cpu_workers_on_the_trainers_host_get_shared_memory_and_others_gloo():
     from common.weight_sync import plan_transports
 
-    workers = [{"node": "a", "gpu_ids": []}, {"node": "b", "gpu_ids": []}, {"node": "a", "gpu_ids": []}]
-    assert plan_transports({"node": "a", "gpu_ids": []}, workers) == ["shm", "gloo", "shm"]
+    workers = [{"node": "a", "gpu": None}, {"node": "b", "gpu": None}, {"node": "a", "gpu": None}]
+    assert plan_transports({"node": "a", "gpu": None}, workers) == ["shm", "gloo", "shm"]
+
+
+def test_the_transport_follows_the_gpu_a_vllm_worker_computes_on_not_its_bundle_s_ray_id():
+    """--colocate_all, one engine at tensor parallel 2 on bundles whose Ray GPU ids come in the order 1, 0: trainer
+    rank 0 sits on bundle 0, GPU 1. vLLM's Ray executor gives tensor-parallel rank r of a node the r-th of its
+    workers' sorted ids (placement_probe.vllm_devices), so rank 0 computes on GPU 0 and rank 1 on the trainer's GPU 1.
+    The plan compared Ray ids: CUDA IPC to rank 0, which cannot map the trainer's memory, and NCCL to rank 1, which
+    NCCL refuses on the trainer's own device. It compares the GPUs' UUIDs now, as vLLM's ipc_engine.py does."""
+    from placement_probe import simulated_uuid, vllm_devices
+
+    from common.weight_sync import group_ranks, plan_transports
+
+    trainer = {"node": "n", "gpu_ids": ["1"], "gpu": simulated_uuid("n", "1")}
+    workers = vllm_devices([{"node": "n", "gpu_ids": ["1"]}, {"node": "n", "gpu_ids": ["0"]}])
+    assert [w["gpu"] for w in workers] == [simulated_uuid("n", "0"), simulated_uuid("n", "1")]
+    assert plan_transports(trainer, workers) == ["nccl", "ipc"]
+    assert group_ranks(["nccl", "ipc"], [2]) == ([[1, None]], 2)
 
 
 @pytest.mark.parametrize("gpus,flash_attn", [(1, False), (2, True)])
@@ -304,3 +321,28 @@ def test_packing_on_a_gpu_without_flash_attention_is_refused(tmp_path, monkeypat
     monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: False)  # a V100: fp32 models, where flash-attn cannot run
     with pytest.raises(UserError, match=refusal):
         check_packing(model)
+
+
+@pytest.mark.parametrize("role,flag,refused", [("actor", None, True), ("critic", "--critic_pretrain", True),
+                                                ("reward model", "--reward_pretrain", False)])
+def test_packing_is_refused_by_the_gpu_workers_that_would_pack(role, flag, refused, tmp_path, monkeypatch):
+    """With --ray_address from a CPU head node, the driver's check saw no CUDA and let packing through, and GPU
+    workers without flash-attn packed under sdpa's dense mask. Each worker that packs (actor, reference, critic)
+    checks again in setup, with its own CUDA and flash-attn, before it joins its world or loads anything; the reward
+    models score padded rows. The worker is built here as a plain object in this process, where CUDA is faked."""
+    from common.args import UserError
+    from common.model_worker import ModelWorker
+
+    model = llama_folder(tmp_path)
+    args = SimpleNamespace(packing_samples=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: True)
+    monkeypatch.setattr(deepspeed_utils, "_has_flash_attn", lambda: False)
+
+    def join_world():  # past the check: the worker would join its world now
+        raise RuntimeError("joined")
+
+    monkeypatch.setattr("common.model_worker.init_distributed", join_world)
+    with pytest.raises(UserError if refused else RuntimeError,
+                       match=r"^--packing_samples on a CUDA GPU needs flash-attention 2" if refused else "joined"):
+        ModelWorker().setup(args, model, 1 if role != "reward model" else None, scalar_head_flag=flag)
