@@ -57,8 +57,9 @@ demo: setup
 demo-real: setup-real
 	$(PY) launch/demo_real.py --out out/demo_real
 
-# A few steps of each GPU path (bf16 SFT and DPO, PPO over NCCL, PPO --colocate_all on one GPU): the first thing to run
-# on a CUDA machine.
+# A few steps of each GPU path (bf16 SFT and DPO, PPO over NCCL, PPO --colocate_all on one GPU, QLoRA and MoE PPO): the
+# first thing to run on a CUDA machine. A PPO stage fails where vLLM's log-probs leave the trainer's after a sync; one
+# table of stage, seconds, peak memory against the plan, logprob_diff.
 gpu-smoke: setup
 	$(PY) launch/gpu_smoke.py --out out/gpu_smoke
 

@@ -367,10 +367,13 @@ def test_gpu_smoke_layouts_fit_the_gpus_it_runs_on(model, probes):
               for stage, cmd in gpu_smoke.commands("/out", 2) if "ppo_ray.py" in cmd}
     # Stages whose flags change what runs, not where, are not placed again: LoRA only leaves out the reference,
     # which --colocate_all puts on the actor's own bundles.
-    same_layout = {"ppo_async": "ppo", "ppo_packing": "ppo_all", "ppo_lora": "ppo_all"}
+    same_layout = {"ppo_async": "ppo", "ppo_packing": "ppo_all", "ppo_lora": "ppo_all", "ppo_qlora": "ppo_all",
+                   "ppo_moe": "ppo_all"}
     for stage, like in same_layout.items():
-        assert set(stages.pop(stage)) - set(stages[like]) <= {"--async_rollouts", "--packing_samples", "--lora_rank",
-                                                              "16"}, stage
+        flags = stages.pop(stage)
+        flags[flags.index("--pretrain") + 1] = stages[like][stages[like].index("--pretrain") + 1]  # ppo_moe's model
+        assert set(flags) - set(stages[like]) <= {"--async_rollouts", "--packing_samples", "--lora_rank", "16",
+                                                  "--load_in_4bit"}, stage
     for stage, flags in stages.items():
         flags[flags.index("--pretrain") + 1] = "$SFT"
         gpus = gpu_smoke.NEEDS_GPUS.get(stage, 1)
