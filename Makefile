@@ -57,8 +57,9 @@ demo: setup
 demo-real: setup-real
 	$(PY) launch/demo_real.py --out out/demo_real
 
-# A few steps of each GPU path (bf16 SFT and DPO, PPO over NCCL, PPO --colocate_all on one GPU): the first thing to run
-# on a CUDA machine.
+# A few steps of each GPU path (bf16 SFT and DPO, PPO over NCCL, PPO --colocate_all on one GPU, QLoRA and MoE PPO): the
+# first thing to run on a CUDA machine. A PPO stage fails where vLLM's log-probs leave the trainer's after a sync; one
+# table of stage, seconds, peak memory against the plan, logprob_diff.
 gpu-smoke: setup
 	$(PY) launch/gpu_smoke.py --out out/gpu_smoke
 
@@ -69,11 +70,15 @@ gpu-trainers:
 	$(PYTHON) launch/gpu_trainers.py --out out/gpu_trainers
 
 # The offline install for GPU nodes without internet: every wheel the trainers need besides torch (DeepSpeed built
-# here) into wheelhouse/, for the node's Python (make wheelhouse NODE_PYTHON=3.12). Then, on the node:
+# here) into wheelhouse/, for the node's Python, machine and torch (make wheelhouse NODE_PYTHON=3.12 NODE_ARCH=aarch64
+# NODE_TORCH=2.9.0; the torch floors are printed when NODE_TORCH is left out). Then, on the node:
 #   pip install --no-index --find-links wheelhouse -r requirements-trainers.txt
 NODE_PYTHON ?= $(shell $(PY) -c 'import sys; print(*sys.version_info[:2], sep=".")' 2>/dev/null)
+NODE_ARCH ?= $(shell uname -m)
+NODE_TORCH ?=
 wheelhouse: setup
-	$(PY) launch/wheelhouse.py --out wheelhouse --python_version $(NODE_PYTHON)
+	$(PY) launch/wheelhouse.py --out wheelhouse --python_version $(NODE_PYTHON) --arch $(NODE_ARCH) \
+		$(if $(NODE_TORCH),--node_torch $(NODE_TORCH))
 
 bench: setup
 	$(PY) bench/bench_sft.py

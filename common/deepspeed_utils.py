@@ -143,18 +143,19 @@ def use_bf16() -> bool:
 
 
 def trained_zero_stage(asked: int | None, world_size: int, offload_optimizer: bool = False,
-                       load_in_4bit: bool = False, offload_params: bool = False) -> int:
+                       load_in_4bit: bool = False, offload_params: bool = False, bf16: bool | None = None) -> int:
     """The ZeRO stage of a trained model: `asked` if given, else 3, or on one rank 0, where ZeRO has nothing to
     partition and stage 3's hooks only cost time (a tenth of a GRPO update of a 21M model on CPU; an SFT step of a
     0.9B model on an H100 took 1.7x stage 1's, bench/bench_sft_gpu.py) - 1 in bf16, the lowest stage that
     accumulates gradients in fp32 (ds_config). Offloading the optimizer needs stage 3 (any stage above 0), offloading
-    the weights stage 3; QLoRA's 4-bit weights cannot be partitioned, so it gets 2 (0 alone)."""
+    the weights stage 3; QLoRA's 4-bit weights cannot be partitioned, so it gets 2 (0 alone). `bf16` is whether the
+    ranks compute in bf16, by default whether this machine would (use_bf16)."""
     if asked is not None:
         return asked
     if load_in_4bit:
         return 0 if world_size == 1 else 2
     if world_size == 1 and not offload_optimizer and not offload_params:
-        return 1 if use_bf16() else 0
+        return 1 if (use_bf16() if bf16 is None else bf16) else 0
     return 3
 
 

@@ -29,6 +29,8 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers import __version__ as transformers_version
 from transformers.pytorch_utils import Conv1D
+from transformers.quantizers.base import get_keys_to_not_convert
+from transformers.quantizers.quantizers_utils import should_convert_module
 
 from common.args import UserError, config_file
 from common.ppo_tricks import uses_reference
@@ -95,17 +97,26 @@ def model_sizes(config, scalar_head: bool = False) -> dict:
     blocks = [sum(p.numel() for p in block.parameters()) for stack in model.modules()
               if isinstance(stack, torch.nn.ModuleList) for block in stack]
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-    embeddings = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
-                  if m is not None}
     # LoRA's A (r, in) and B (out, r) on every linear layer of the backbone (not the head): r x (in + out), at rank 1
     lora_per_rank = sum(sum(m.weight.shape) for m in model.base_model.modules()
                         if isinstance(m, (torch.nn.Linear, Conv1D)))
     layer_activations = ACTIVATION_BYTES_PER_HIDDEN * hidden + ACTIVATION_BYTES_PER_INTERMEDIATE * width  # per token
     return {"params": params, "largest_layer": max(blocks + own), "kv_per_token": 2 * layers * kv_heads * head_dim * 2,
             "vocab": model.get_input_embeddings().weight.shape[0], "lora_per_rank": lora_per_rank,
-            "embeddings": sum(embeddings.values()),  # kept in bf16 by a 4-bit quantizer
+            "quantized_4bit": quantized_4bit(model),
             "activations_per_token": {"all layers": layers * layer_activations,
                                       "checkpointed": layers * 2 * hidden + layer_activations}}
+
+
+def quantized_4bit(model) -> int:
+    """Parameters bitsandbytes stores in 4 bits under --load_in_4bit: the weights of the modules transformers'
+    replacement rule turns into Linear4bit (integrations/bitsandbytes.py, replace_with_bnb_linear: exactly nn.Linear
+    or Conv1D, less get_keys_to_not_convert's LM head and tied or last modules). Everything else stays bf16: the
+    embeddings, norms, biases, and transformers 5's fused mixture-of-experts tensors (Mixtral's `mlp.experts`, 45 of
+    its 47 billion parameters), which are parameters of no nn.Linear."""
+    keep = get_keys_to_not_convert(model)
+    return sum(m.weight.numel() for name, m in model.named_modules()
+               if (type(m) is torch.nn.Linear or isinstance(m, Conv1D)) and should_convert_module(name, keep))
 
 
 def mlp_width(text) -> int | None:
@@ -132,17 +143,19 @@ def trained(args, sizes: dict, gpus: int, tokens: int) -> dict:
 
     With --lora_rank only the adapters have model states (counted as on every linear layer, the most any
     --target_modules can give); the frozen weights are bf16, partitioned under ZeRO-3 with a layer gathered at a
-    time, or 4-bit and whole (QLoRA, which keeps the embeddings and the LM head in bf16).
+    time, or whole with QLoRA, 4-bit where bitsandbytes quantizes (quantized_4bit) and bf16 elsewhere.
     """
     from common.deepspeed_utils import trained_zero_stage
 
     params = sizes["params"]
-    stage = trained_zero_stage(args.zero_stage, gpus, args.offload_optimizer, args.load_in_4bit)
+    # bf16=True: the stage the GPUs will run at, whatever machine makes the plan (--dry_run on a CPU login node)
+    stage = trained_zero_stage(args.zero_stage, gpus, args.offload_optimizer, args.load_in_4bit, bf16=True)
     activations = tokens * sizes["activations_per_token"]["checkpointed" if args.gradient_checkpointing
                                                           else "all layers"]
     if args.lora_rank:
         if args.load_in_4bit:
-            frozen_weights = {"frozen weights": (params - sizes["embeddings"]) // 2 + 2 * sizes["embeddings"]}
+            four_bit = sizes["quantized_4bit"]
+            frozen_weights = {"frozen weights": four_bit // 2 + 2 * (params - four_bit)}
         elif stage == 3:
             frozen_weights = {"frozen weights": 2 * params // gpus, "gathered layer": 4 * sizes["largest_layer"]}
         else:

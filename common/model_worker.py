@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from common import lora, rewards
+from common.args import check_packing
 from common.checkpoint import load_train_state, save_hf_model, save_train_state
 from common.data import generation_stop_ids
 from common.deepspeed_utils import (device, ds_config, init_distributed, init_eval_engine, init_train_engine,
@@ -88,6 +89,9 @@ class ModelWorker(RayWorker):
         """Load `path` as this rank's share of a ZeRO model: trained when `total_steps` is given, else frozen; with
         `scalar_head_flag` (the flag that named it) as a model with a scalar head."""
         trainable = total_steps is not None
+        if args.packing_samples and scalar_head_flag != "--reward_pretrain":  # the reward models score padded rows
+            # here, where the model loads: a driver on a CPU head node (--ray_address) sees neither CUDA nor flash-attn
+            check_packing(path, scalar_head_flag or "--pretrain")
         self.args, self.ptx = args, None
         self.rank, self.world_size, self.local_rank = init_distributed()
         torch.manual_seed(args.seed)

@@ -22,7 +22,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError
@@ -171,6 +171,39 @@ def make_placement_group(num_bundles: int, cpus_per_bundle: float, name: str):
     return pg
 
 
+def bundle_nodes(pg) -> dict[int, str]:
+    """{bundle index: the Ray node it was reserved on} of a ready placement group."""
+    return placement_group_table(pg)["bundles_to_node_id"]
+
+
+def by_node(nodes: dict[int, str]) -> dict[str, list[int]]:
+    """Bundle indices grouped by node, nodes in the order of their first bundle. Ray keeps no order between a PACK
+    group's bundles and its nodes (ray-project/ray#51117): bundles 0 and 2 may share a node that 1 is not on."""
+    grouped = {}
+    for bundle in sorted(nodes):
+        grouped.setdefault(nodes[bundle], []).append(bundle)
+    return grouped
+
+
+def rank_bundles(nodes: dict[int, str]) -> list[int]:
+    """The bundle of each rank of a role: one node's ranks consecutive, as torch.distributed and NCCL's rings expect
+    of ranks numbered across nodes, and as tensor_parallel_bundles numbers vLLM's workers on a shared group."""
+    return [bundle for bundles in by_node(nodes).values() for bundle in bundles]
+
+
+def tensor_parallel_bundles(nodes: dict[int, str], num_engines: int, tensor_parallel_size: int) -> list[list[int]]:
+    """Each engine's `tensor_parallel_size` bundles, all on one node (its all-reduces of every layer never cross the
+    network), taken in rank_bundles' order; one sentence if the bundles cannot be split so."""
+    groups = [bundles[i:i + tensor_parallel_size] for bundles in by_node(nodes).values()
+              for i in range(0, len(bundles) - tensor_parallel_size + 1, tensor_parallel_size)]
+    if len(groups) < num_engines:
+        counts = ", ".join(str(len(bundles)) for bundles in by_node(nodes).values())
+        raise UserError(f"{num_engines} vLLM engine(s) at tensor parallel {tensor_parallel_size} need that many GPUs "
+                        f"on one node each, and Ray reserved their GPUs {counts} to a node; give each node a multiple "
+                        f"of --vllm_tensor_parallel_size GPUs, or lower --vllm_tensor_parallel_size.")
+    return groups[:num_engines]
+
+
 def wait(refs, timeout: float, failure: str, advice: str = PLACE_ADVICE):
     """ray.get(refs) for at most `timeout` seconds; past it, one sentence: `failure`, what Ray has free, `advice`.
 
@@ -205,13 +238,14 @@ class WorkerGroup:
         num_workers = len(pg.bundle_specs)
         self.resources = {"num_gpus": share, "num_cpus": share} if use_gpus() else {"num_cpus": share * cpus_per_bundle}
         env = {**gpu_rank_threads(), **(env or {})}
+        self.bundles = rank_bundles(bundle_nodes(pg))  # rank i's bundle
         self.actors = [
             ray.remote(cls).options(
                 **self.resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
                 runtime_env={"env_vars": env},
             ).remote()
-            for i in range(num_workers)
+            for bundle in self.bundles
         ]
         address = self.actors[0].address.remote()  # Ray hands its result to join_world once rank 0 has started
         self.starting = {"placed": [a.node_id.remote() for a in self.actors],

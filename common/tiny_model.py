@@ -1,4 +1,4 @@
-"""Build a tiny causal LM (Llama or Qwen2) and a byte-level BPE tokenizer in code, offline and deterministic.
+"""Build a tiny causal LM (Llama, Qwen2 or Mixtral) and a byte-level BPE tokenizer in code, offline and deterministic.
 
 Tests, the demo and the benchmarks never download a model. This module trains a tokenizer on the synthetic task's
 text (common/synthetic_task.py) in milliseconds and initialises a small model from a seed, then saves both
@@ -6,8 +6,9 @@ with save_pretrained, so every script loads it exactly as it would load a model 
 
 The default is an untied Llama with grouped-query attention and the project's own chat template. The options vary
 what real small models vary, so that code which only works on the default cannot hide: tied input/output
-embeddings (Qwen2.5-0.5B, Llama-3.2-1B, Gemma), attention biases (Qwen2 always has q/k/v biases), and a ChatML
-template that writes a newline after the end-of-turn token, as Qwen's does.
+embeddings (Qwen2.5-0.5B, Llama-3.2-1B, Gemma), attention biases (Qwen2 always has q/k/v biases), a mixture of
+experts (Mixtral: 4 experts, 2 per token, kept fused by transformers 5), and a ChatML template that writes a newline
+after the end-of-turn token, as Qwen's does.
 
     python -m common.tiny_model --out /tmp/tiny            # ~1M parameters, a few seconds
     python -m common.tiny_model --out /tmp/qwen --architecture qwen2 --tie_word_embeddings --chat_format chatml
@@ -19,8 +20,8 @@ import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 from transformers.utils import logging as transformers_logging
 
 from common import synthetic_task
@@ -85,21 +86,27 @@ def build_tokenizer(vocab_size: int = 384, chat_format: str = "default") -> PreT
     )
 
 
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                 "mixtral": (MixtralConfig, MixtralForCausalLM)}
+
+
 def build_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, seed=0,
                 architecture="llama", tie_word_embeddings=False, attention_bias=False):
-    """A randomly initialised Llama or Qwen2. head_dim = hidden_size / num_heads must be >= 32 (vLLM's CPU attention).
+    """A randomly initialised Llama, Qwen2 or Mixtral. head_dim = hidden_size / num_heads must be >= 32 (vLLM's CPU
+    attention).
 
-    attention_bias gives a Llama biases on q/k/v/o; a Qwen2 always has q/k/v biases (and none on o).
+    attention_bias gives a Llama biases on q/k/v/o; a Qwen2 always has q/k/v biases (and none on o); a Mixtral has 4
+    experts of intermediate_size each, 2 per token, and no biases.
     """
     if hidden_size % num_heads or hidden_size // num_heads < 32:
         raise ValueError(f"hidden_size / num_heads must be a whole number >= 32, got {hidden_size}/{num_heads}.")
-    if architecture not in ("llama", "qwen2"):
-        raise ValueError(f"architecture must be 'llama' or 'qwen2', got {architecture!r}.")
-    if architecture == "qwen2" and attention_bias:
-        raise ValueError("a Qwen2 model always has q/k/v biases; attention_bias is for the Llama architecture.")
-    config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if architecture == "qwen2" else (
-        LlamaConfig, LlamaForCausalLM)
-    extra = {} if architecture == "qwen2" else {"attention_bias": attention_bias}
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}.")
+    if architecture != "llama" and attention_bias:
+        raise ValueError("attention_bias is for the Llama architecture (a Qwen2 always has q/k/v biases).")
+    config_class, model_class = ARCHITECTURES[architecture]
+    extra = {"llama": {"attention_bias": attention_bias}, "qwen2": {},
+             "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}[architecture]
     config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -140,8 +147,8 @@ def main():
     parser.add_argument("--num_layers", type=int, default=4, help="number of transformer blocks")
     parser.add_argument("--num_heads", type=int, default=4, help="attention heads (head_dim = hidden / heads >= 32)")
     parser.add_argument("--num_kv_heads", type=int, default=2, help="key/value heads (grouped-query attention)")
-    parser.add_argument("--architecture", choices=["llama", "qwen2"], default="llama",
-                        help="llama, or qwen2 (q/k/v biases)")
+    parser.add_argument("--architecture", choices=list(ARCHITECTURES), default="llama",
+                        help="llama, qwen2 (q/k/v biases) or mixtral (4 experts, 2 per token)")
     parser.add_argument("--tie_word_embeddings", action="store_true",
                         help="share one matrix between the input embeddings and the output layer")
     parser.add_argument("--attention_bias", action="store_true", help="biases on a Llama's q/k/v/o projections")

@@ -21,14 +21,15 @@ import os
 import time
 
 import ray
+import torch
 from ray.util.placement_group import placement_group as new_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.args import UserError, check_model_path, config_file
 from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
-from common.ray_workers import WorkerHung, check_alive, wait
-from common.weight_sync import SYNC_TIMEOUT, checkpoint_tensor_names
+from common.ray_workers import WorkerHung, bundle_nodes, check_alive, tensor_parallel_bundles, wait
+from common.weight_sync import SYNC_TIMEOUT, checkpoint_tensor_names, device_placement
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +134,9 @@ class VLLMEngine:
         return self._tensor_parallel_size
 
     def placement(self) -> list[dict]:
-        """{"node", "gpu_ids"} of each vLLM worker (tensor-parallel rank order), from which the trainer picks the
-        weight-sync transport to it (weight_sync.plan_transports)."""
+        """{"node", "gpu", "gpu_ids"} of each vLLM worker (tensor-parallel rank order): its Ray node, the UUID of the
+        GPU it computes on, from which the trainer picks the weight-sync transport to it (weight_sync.plan_transports),
+        and the Ray GPU ids of its bundle (placement reports)."""
         return self.llm.collective_rpc(_worker_placement)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -292,8 +294,9 @@ class SleepSchedule:
 
 def _worker_placement(worker) -> dict:
     """Run by collective_rpc in each vLLM worker, a Ray actor either way (the engine itself, or one of vLLM's Ray
-    workers under tensor parallelism, which Ray leaves every GPU of the node visible to): its node and GPU ids."""
-    return {"node": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
+    workers under tensor parallelism, which Ray leaves every GPU of the node visible to): where it computes
+    (weight_sync.device_placement: vLLM picks a tensor-parallel worker's GPU itself) and its bundle's Ray GPU ids."""
+    return {**device_placement(torch.device(worker.device)), "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
 
 
 def _check_resources(kind: str, needed: float, what: str) -> None:
@@ -378,9 +381,9 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     wait(placement_group.ready(), 120, f"Ray could not place {what}")
 
     engines = []
-    for i in range(num_engines):
-        first_bundle = i * tensor_parallel_size if use_gpu else i
-        tp_bundles = list(range(first_bundle, first_bundle + tensor_parallel_size))
+    for i, tp_bundles in enumerate(tensor_parallel_bundles(bundle_nodes(placement_group), num_engines,
+                                                           tensor_parallel_size)):
+        first_bundle = tp_bundles[0]
         env_vars = ({"VLLM_RAY_PER_WORKER_GPUS": str(gpu_share)} if use_gpu else
                     {"OMP_NUM_THREADS": str(cpu_threads_per_engine or int(os.environ.get("OMP_NUM_THREADS", 0))
                                             or max(1, (os.cpu_count() or 1) // num_engines))})

@@ -68,29 +68,37 @@ def new_process_group(master_address: str, master_port: int, rank: int, world_si
 
 # ------------------------------------------------------------------------------------------------------ trainer side
 def plan_transports(trainer: dict, workers: list[dict]) -> list[str]:
-    """How trainer rank 0 reaches each vLLM worker, from where Ray placed them ({"node": id, "gpu_ids": [...]}).
+    """How trainer rank 0 reaches each vLLM worker, from where each runs ({"node": Ray node id, "gpu": the UUID of
+    the GPU it computes on, None without one}: device_placement).
 
     Without GPUs, shared memory ("shm") on the trainer's own node and gloo to other nodes; NCCL between GPUs; CUDA
     IPC to a worker on the trainer's own GPU, since NCCL refuses two ranks of one group on one device ("Duplicate GPU
-    detected"), which is what --colocate_all makes of trainer rank 0 and vLLM engine 0. init_weight_sync_group
-    turns "shm" into gloo for a worker that cannot map the trainer's memory after all.
+    detected"), which is what --colocate_all makes of trainer rank 0 and a vLLM worker. The GPUs are compared by
+    UUID, not by Ray's GPU ids: vLLM's Ray executor gives tensor-parallel rank r of a node the r-th of its workers'
+    sorted physical ids (vllm/v1/executor/ray_executor_v2.py), so a worker on a bundle whose Ray id is 3 may compute
+    on GPU 1. init_weight_sync_group turns "shm" into gloo for a worker that cannot map the trainer's memory after all.
     """
-    if not trainer["gpu_ids"]:
+    if trainer["gpu"] is None:
         return ["shm" if w["node"] == trainer["node"] else "gloo" for w in workers]
-    own_gpu = (trainer["node"], str(trainer["gpu_ids"][0]))
-    return ["ipc" if (w["node"], str(w["gpu_ids"][0])) == own_gpu else "nccl" for w in workers]
+    return ["ipc" if w["gpu"] == trainer["gpu"] else "nccl" for w in workers]
+
+
+def device_placement(device: torch.device) -> dict:
+    """{"node", "gpu"} of this process computing on `device`, for plan_transports; Ray's node id, or None outside
+    Ray."""
+    import ray  # here, not at the top: the GPU check of the transport (launch/gpu_trainers.py) runs without Ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return {"node": node, "gpu": gpu_uuid(device) if device.type == "cuda" else None}
 
 
 def sync_transports(engines: list) -> list[str]:
-    """plan_transports for this process (trainer rank 0) and every worker of `engines`, where Ray placed them."""
-    import ray  # here, not at the top: the GPU check of the transport (launch/gpu_trainers.py) runs without Ray
+    """plan_transports for this process (trainer rank 0) and every worker of `engines`, where they compute."""
+    import ray
 
-    gpu_ids = [str(i) for i in ray.get_gpu_ids()]  # empty outside a Ray actor, e.g. in a test's driver
-    if not gpu_ids and torch.cuda.is_available():
-        gpu_ids = [str(torch.cuda.current_device())]
-    trainer = {"node": ray.get_runtime_context().get_node_id(), "gpu_ids": gpu_ids}
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     placements = ray.get([engine.placement.remote() for engine in engines], timeout=SYNC_TIMEOUT.total_seconds())
-    return plan_transports(trainer, [worker for engine in placements for worker in engine])
+    return plan_transports(device_placement(device), [worker for engine in placements for worker in engine])
 
 
 def group_ranks(transports: list[str], tp_sizes: list[int]) -> tuple[list[list[int | None]], int]:

@@ -17,12 +17,29 @@ from common.ray_workers import RayWorker, WorkerGroup
 def report() -> dict:
     """Where the calling actor runs and what Ray granted it, as CUDA and torch.distributed would see it."""
     granted = ray.get_runtime_context().get_assigned_resources()
-    return {"node": ray.get_runtime_context().get_node_id(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+    node, gpu_ids = ray.get_runtime_context().get_node_id(), [str(i) for i in ray.get_gpu_ids()]
+    return {"node": node, "gpu_ids": gpu_ids, "gpu": simulated_uuid(node, gpu_ids[0]) if gpu_ids else None,
             "gpu_share": sum(v for k, v in granted.items() if k == "GPU" or k.startswith("GPU_group_")
                              and k.count("_") == 2),
             "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "RANK": os.environ.get("RANK"), "LOCAL_RANK": os.environ.get("LOCAL_RANK"),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+
+
+def simulated_uuid(node: str, physical_id: str) -> str:
+    """A stand-in for the UUID of GPU `physical_id` of `node` (weight_sync.device_placement's "gpu")."""
+    return f"GPU-{node[:8]}-{physical_id}"
+
+
+def vllm_devices(reports: list[dict]) -> list[dict]:
+    """Tensor-parallel workers' reports with the GPU each computes on as vLLM's Ray executor picks it
+    (vllm/v1/executor/ray_executor_v2.py): the worker of local rank r on a node gets the r-th of the sorted Ray GPU
+    ids of that node's workers, not its own bundle's."""
+    nodes = {}
+    for rep in reports:
+        nodes.setdefault(rep["node"], []).append(rep)
+    return [{**rep, "gpu": simulated_uuid(rep["node"], sorted(r["gpu_ids"][0] for r in nodes[rep["node"]])[
+        nodes[rep["node"]].index(rep)])} for rep in reports]
 
 
 class ProbeWorker(RayWorker):
@@ -39,17 +56,18 @@ class ProbeWorker(RayWorker):
         return {"role": self.role, **report()}
 
     def plan_weight_sync(self, engines: list) -> list[str]:
-        """The transports init_weight_sync_group would use from this rank (0 of the actor) to each vLLM worker."""
-        from common.weight_sync import sync_transports
+        """The transports init_weight_sync_group would use from this rank (0 of the actor) to each vLLM worker:
+        weight_sync.sync_transports with this rank's simulated GPU, which CUDA would name."""
+        from common.weight_sync import plan_transports
 
-        return sync_transports(engines)
+        placements = ray.get([engine.placement.remote() for engine in engines], timeout=60)
+        return plan_transports(report(), [worker for engine in placements for worker in engine])
 
 
 def probe_group(cls, pg, share, cpus_per_bundle, args=(), env=None, role=None, wait_until_ready=True):
     """WorkerGroup as placement.place_roles builds it, with the model-loading class and arguments swapped out (they
     would import ppo_ray, torch and transformers in every probe process)."""
     group = WorkerGroup(ProbeWorker, pg, share, cpus_per_bundle, (role, share), env, role, wait_until_ready)
-    group.bundles = list(range(len(pg.bundle_specs)))  # worker i sits on bundle i
     return group
 
 
@@ -106,7 +124,7 @@ class ProbeEngine:
         parallelism, else its Ray workers."""
         if not self.workers:
             return [report()]
-        return ray.get([w.report.remote() for w in self.workers], timeout=60)
+        return vllm_devices(ray.get([w.report.remote() for w in self.workers], timeout=60))
 
 
 class HangingEngine(ProbeEngine):

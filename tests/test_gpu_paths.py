@@ -220,8 +220,25 @@ def test_weight_sync_group_leaves_out_the_workers_on_the_trainers_gpu(transports
 def test_cpu_workers_on_the_trainers_host_get_shared_memory_and_others_gloo():
     from common.weight_sync import plan_transports
 
-    workers = [{"node": "a", "gpu_ids": []}, {"node": "b", "gpu_ids": []}, {"node": "a", "gpu_ids": []}]
-    assert plan_transports({"node": "a", "gpu_ids": []}, workers) == ["shm", "gloo", "shm"]
+    workers = [{"node": "a", "gpu": None}, {"node": "b", "gpu": None}, {"node": "a", "gpu": None}]
+    assert plan_transports({"node": "a", "gpu": None}, workers) == ["shm", "gloo", "shm"]
+
+
+def test_the_transport_follows_the_gpu_a_vllm_worker_computes_on_not_its_bundle_s_ray_id():
+    """--colocate_all, one engine at tensor parallel 2 on bundles whose Ray GPU ids come in the order 1, 0: trainer
+    rank 0 sits on bundle 0, GPU 1. vLLM's Ray executor gives tensor-parallel rank r of a node the r-th of its
+    workers' sorted ids (placement_probe.vllm_devices), so rank 0 computes on GPU 0 and rank 1 on the trainer's GPU 1.
+    The plan compared Ray ids: CUDA IPC to rank 0, which cannot map the trainer's memory, and NCCL to rank 1, which
+    NCCL refuses on the trainer's own device. It compares the GPUs' UUIDs now, as vLLM's ipc_engine.py does."""
+    from placement_probe import simulated_uuid, vllm_devices
+
+    from common.weight_sync import group_ranks, plan_transports
+
+    trainer = {"node": "n", "gpu_ids": ["1"], "gpu": simulated_uuid("n", "1")}
+    workers = vllm_devices([{"node": "n", "gpu_ids": ["1"]}, {"node": "n", "gpu_ids": ["0"]}])
+    assert [w["gpu"] for w in workers] == [simulated_uuid("n", "0"), simulated_uuid("n", "1")]
+    assert plan_transports(trainer, workers) == ["nccl", "ipc"]
+    assert group_ranks(["nccl", "ipc"], [2]) == ([[1, None]], 2)
 
 
 @pytest.mark.parametrize("gpus,flash_attn", [(1, False), (2, True)])
@@ -237,7 +254,9 @@ def test_gpu_smoke_commands_use_flags_the_scripts_have(gpus, flash_attn):
     two_gpus = {"ppo", "ppo_tp2", "ppo_async"}
     assert two_gpus & set(stages) == (two_gpus if gpus >= 2 else set())
     assert ("ppo_packing" in stages) == flash_attn
-    assert {"ppo_all", "ppo_critic", "ppo_lora", "rm"} <= set(stages) and "--colocate_all" in stages["ppo_all"]
+    assert {"ppo_all", "ppo_critic", "ppo_lora", "ppo_qlora", "ppo_moe", "rm"} <= set(stages)
+    assert "--colocate_all" in stages["ppo_all"] and "--load_in_4bit" in stages["ppo_qlora"]
+    assert stages["base_moe"][stages["base_moe"].index("--architecture") + 1] == "mixtral"
     skipped = gpu_smoke.skipped(gpus, flash_attn)
     assert len(skipped) == len(gpu_smoke.commands("/out", 2, True)) - len(stages)
     assert all(line.endswith(".") and " skipped: " in line for line in skipped), skipped
@@ -258,9 +277,9 @@ def test_gpu_smoke_ppo_stages_pass_ppo_ray_s_flag_checks(tmp_path):
     from common.args import parse_args
 
     out = tmp_path / "smoke"
-    for folder in ("sft", "rm"):
+    for folder, model_type in (("sft", "llama"), ("rm", "llama"), ("base_moe", "mixtral")):
         (out / folder).mkdir(parents=True)
-        (out / folder / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 2048}')
+        (out / folder / "config.json").write_text(f'{{"model_type": "{model_type}", "max_position_embeddings": 2048}}')
     (out / "task").mkdir()
     (out / "task" / "prompts_train.jsonl").write_text('{"prompt": "1 + 1"}\n')
     for stage, cmd in gpu_smoke.commands(str(out), 2, True):
@@ -273,6 +292,39 @@ def test_gpu_smoke_ppo_stages_pass_ppo_ray_s_flag_checks(tmp_path):
         assert args.vllm_tensor_parallel_size == (2 if stage == "ppo_tp2" else 1)
         assert (args.advantage_estimator == "gae") == (stage == "ppo_critic") and bool(args.reward_pretrain) == (
             stage == "ppo_critic")
+
+
+def smoke_rows(diffs: list[float]) -> list[dict]:
+    """metrics.jsonl rows of a PPO run whose steps logged these vllm/logprob_diff values (and an eval row)."""
+    return [{"step": i + 1, "vllm/logprob_diff": d} for i, d in enumerate(diffs)] + [{"step": len(diffs)}]
+
+
+@pytest.mark.parametrize("stage,diffs,failed_steps", [
+    ("ppo", [8e-3, 9e-3, 1.1e-2], []),         # bf16 rounding on both sides, the same after each sync
+    ("ppo", [1e-6, 4e-3, 6e-3], [2, 3]),       # the engines kept the weights of step 1
+    ("ppo", [1e-6, 1e-6, 3e-3], [3]),          # a later sync loaded nothing
+    ("ppo_async", [1e-6, 4e-3, 6e-3], []),     # one update old by design from step 2
+])
+def test_gpu_smoke_fails_a_ppo_stage_whose_engines_missed_a_sync(stage, diffs, failed_steps):
+    """`make gpu-smoke` passed every stage that exited with 0, so a sync that loaded wrong weights passed too. Each
+    PPO stage now fails when a step's vllm/logprob_diff exceeds step 1's (where both sides loaded the checkpoint from
+    disk) by more than gpu_smoke.SYNC_SLACK; tests/test_ppo.py applies the same check to real CPU runs."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import gpu_smoke
+
+    failure = gpu_smoke.check_sync(stage, smoke_rows(diffs))
+    assert (failure is None) == (not failed_steps), failure
+    if failed_steps:
+        head, listed = failure.split(": ", 1)
+        assert head == "vLLM's log-probs differ from the trainer's after a sync", failure
+        assert [int(part.split()[1]) for part in listed.split(" (step 1")[0].split(", ")] == failed_steps, failure
+    assert gpu_smoke.check_sync("ppo", [{"step": 1}]) == "no step logged vllm/logprob_diff"
+    table = gpu_smoke.table([{"stage": stage, "seconds": 12.3, "peak": 5.25, "plan": 6.0, "diffs": diffs,
+                              "result": "ok" if not failed_steps else "FAILED"}])
+    header, line = table.splitlines()
+    assert header.split()[:4] == ["stage", "seconds", "peak", "GiB"] and line.split()[:4] == [stage, "12", "5.2",
+                                                                                               "6.0"]
+    assert f"{diffs[0]:.1e} -> {max(diffs[1:]):.1e}" in line
 
 
 def llama_folder(folder) -> str:
@@ -304,3 +356,28 @@ def test_packing_on_a_gpu_without_flash_attention_is_refused(tmp_path, monkeypat
     monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: False)  # a V100: fp32 models, where flash-attn cannot run
     with pytest.raises(UserError, match=refusal):
         check_packing(model)
+
+
+@pytest.mark.parametrize("role,flag,refused", [("actor", None, True), ("critic", "--critic_pretrain", True),
+                                                ("reward model", "--reward_pretrain", False)])
+def test_packing_is_refused_by_the_gpu_workers_that_would_pack(role, flag, refused, tmp_path, monkeypatch):
+    """With --ray_address from a CPU head node, the driver's check saw no CUDA and let packing through, and GPU
+    workers without flash-attn packed under sdpa's dense mask. Each worker that packs (actor, reference, critic)
+    checks again in setup, with its own CUDA and flash-attn, before it joins its world or loads anything; the reward
+    models score padded rows. The worker is built here as a plain object in this process, where CUDA is faked."""
+    from common.args import UserError
+    from common.model_worker import ModelWorker
+
+    model = llama_folder(tmp_path)
+    args = SimpleNamespace(packing_samples=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(deepspeed_utils, "use_bf16", lambda: True)
+    monkeypatch.setattr(deepspeed_utils, "_has_flash_attn", lambda: False)
+
+    def join_world():  # past the check: the worker would join its world now
+        raise RuntimeError("joined")
+
+    monkeypatch.setattr("common.model_worker.init_distributed", join_world)
+    with pytest.raises(UserError if refused else RuntimeError,
+                       match=r"^--packing_samples on a CUDA GPU needs flash-attention 2" if refused else "joined"):
+        ModelWorker().setup(args, model, 1 if role != "reward model" else None, scalar_head_flag=flag)

@@ -21,6 +21,7 @@ from common.args import UserError, parse_args
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LLAMA = {"8B": os.path.join(TESTS, "llama3_8b"), "70B": os.path.join(TESTS, "llama3_70b")}
+MIXTRAL = os.path.join(TESTS, "mixtral_8x7b")  # Mixtral-8x7B's config.json as published (46.7B parameters)
 
 
 def recipe_args(name: str, flags: list[str], **changes) -> ppo_ray.Args:
@@ -134,6 +135,57 @@ def test_colocate_all_counts_the_engines_whole_share():
     with pytest.raises(UserError, match=r"^the actor GPUs would hold .* lower the micro-batch sizes or "
                                         r"--vllm_gpu_memory_utilization, or colocate less\.$"):
         memory_plan.check(args, memory_plan.plan(args))
+
+
+def test_one_gpu_actor_is_planned_at_the_stage_it_gets_on_a_gpu():
+    """A one-rank actor gets ZeRO-1 on a bf16 GPU (deepspeed_utils.trained_zero_stage); the plan took the stage from
+    the machine making it, so --dry_run on a CPU login node planned ZeRO-0's 20 bytes a parameter (Phi-3-mini:
+    71.2 GiB where stage 1 needs 64.1) and could refuse a layout that fits."""
+    args = parse_args(ppo_ray.Args, ["--pretrain", LLAMA["8B"], "--actor_num_workers", "1"])
+    sizes = memory_plan.model_sizes(memory_plan.read_config(LLAMA["8B"], "--pretrain"))
+    planned = memory_plan.plan(args)["actor"][1]["actor"]["model states"]
+    assert planned == memory_plan.model_states(1, sizes["params"], sizes["largest_layer"], 1, False)[0]
+
+
+def bnb_4bit_params(model) -> int | None:
+    """Parameters bitsandbytes itself turns into Linear4bit (transformers' replace_with_bnb_linear), or None where
+    bitsandbytes is not installed."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return None
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    replace_with_bnb_linear(model, get_keys_to_not_convert(model), BitsAndBytesConfig(load_in_4bit=True))
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+def test_qlora_keeps_a_mixture_of_experts_fused_experts_in_bf16():
+    """bitsandbytes quantizes nn.Linear modules only, and transformers 5 keeps Mixtral's experts as fused tensors of
+    no nn.Linear: of Mixtral-8x7B's 46.7B parameters only the attention projections (32 layers x (2 x 4096 x 4096 +
+    2 x 4096 x 1024)) become 4-bit. The plan counted every non-embedding parameter at 4 bits ("frozen weights 22.1
+    GiB, the plan fits") while 84 GiB stay bf16, which no 80 GB GPU loads."""
+    from transformers import AutoModelForCausalLM
+
+    attention = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024)
+    sizes = memory_plan.model_sizes(memory_plan.read_config(MIXTRAL, "--pretrain"))
+    assert sizes["params"] == 46_702_792_704 and sizes["quantized_4bit"] == attention
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(memory_plan.read_config(MIXTRAL, "--pretrain"))
+    assert bnb_4bit_params(model) in (None, attention)
+    args = parse_args(ppo_ray.Args, ["--pretrain", MIXTRAL, "--lora_rank", "16", "--load_in_4bit",
+                                     "--actor_num_workers", "1", "--advantage_estimator", "grpo",
+                                     "--vllm_tensor_parallel_size", "4"])
+    groups = memory_plan.plan(args)
+    frozen = groups["actor"][1]["actor"]["frozen weights"]
+    assert frozen == attention // 2 + 2 * (sizes["params"] - attention) and frozen > 84 * memory_plan.GiB
+    with pytest.raises(UserError, match=r"^the actor GPUs would hold"):
+        memory_plan.check(args, groups)
+    # a dense model is 4-bit but for its embeddings, LM head and norms: Llama-3-8B's 2 x 128256 x 4096 + 65 x 4096
+    llama = memory_plan.model_sizes(memory_plan.read_config(LLAMA["8B"], "--pretrain"))
+    assert llama["params"] - llama["quantized_4bit"] == 2 * 128256 * 4096 + 65 * 4096
 
 
 @pytest.mark.slow

@@ -175,8 +175,8 @@ def check_layout(ranks: list[dict], workers: list[dict], transports: list[str]) 
     trainer = next(r for r in ranks if r["role"] == "actor" and r["RANK"] == "0")
     nccl = [gpu(trainer)] + [gpu(w) for w, t in zip(workers, transports) if t == "nccl"]
     assert len(set(nccl)) == len(nccl), f"the weight-sync NCCL group puts two ranks on one GPU: {nccl}"
-    for w, t in zip(workers, transports):  # a vLLM worker on the trainer's own GPU is reached over CUDA IPC
-        assert (t == "ipc") == (gpu(w) == gpu(trainer)), (w, t)
+    for w, t in zip(workers, transports):  # a vLLM worker computing on the trainer's own GPU is reached over CUDA IPC
+        assert (t == "ipc") == (w["gpu"] == trainer["gpu"]), (w, t)
     tp_sizes = [sum(w["role"] == engine for w in workers) for engine in dict.fromkeys(w["role"] for w in workers)]
     ranks, world_size = group_ranks(transports, tp_sizes)  # the weight-sync group: trainer rank 0 and NCCL workers
     assert world_size == 1 + transports.count("nccl")
@@ -367,10 +367,13 @@ def test_gpu_smoke_layouts_fit_the_gpus_it_runs_on(model, probes):
               for stage, cmd in gpu_smoke.commands("/out", 2) if "ppo_ray.py" in cmd}
     # Stages whose flags change what runs, not where, are not placed again: LoRA only leaves out the reference,
     # which --colocate_all puts on the actor's own bundles.
-    same_layout = {"ppo_async": "ppo", "ppo_packing": "ppo_all", "ppo_lora": "ppo_all"}
+    same_layout = {"ppo_async": "ppo", "ppo_packing": "ppo_all", "ppo_lora": "ppo_all", "ppo_qlora": "ppo_all",
+                   "ppo_moe": "ppo_all"}
     for stage, like in same_layout.items():
-        assert set(stages.pop(stage)) - set(stages[like]) <= {"--async_rollouts", "--packing_samples", "--lora_rank",
-                                                              "16"}, stage
+        flags = stages.pop(stage)
+        flags[flags.index("--pretrain") + 1] = stages[like][stages[like].index("--pretrain") + 1]  # ppo_moe's model
+        assert set(flags) - set(stages[like]) <= {"--async_rollouts", "--packing_samples", "--lora_rank", "16",
+                                                  "--load_in_4bit"}, stage
     for stage, flags in stages.items():
         flags[flags.index("--pretrain") + 1] = "$SFT"
         gpus = gpu_smoke.NEEDS_GPUS.get(stage, 1)
@@ -382,3 +385,49 @@ def test_gpu_smoke_layouts_fit_the_gpus_it_runs_on(model, probes):
             stop_cluster(cluster)
         assert len({gpu(rep) for rep in ranks + workers}) == gpus, stage
         assert ("ipc" in transports) == args.colocate_all and len(transports) == args.vllm_tensor_parallel_size, stage
+
+
+@pytest.mark.parametrize("nodes,tp,engines,expected", [
+    ({0: "a", 1: "b", 2: "a", 3: "b"}, 2, 2, [[0, 2], [1, 3]]),
+    ({0: "b", 1: "a", 2: "a", 3: "b", 4: "a", 5: "a", 6: "b", 7: "b"}, 4, 2, [[0, 3, 6, 7], [1, 2, 4, 5]]),
+    ({0: "a", 1: "b", 2: "a", 3: "b"}, 1, 4, [[0], [2], [1], [3]]),
+])
+def test_a_tensor_parallel_engine_takes_bundles_of_one_node(nodes, tp, engines, expected):
+    """Ray keeps no order between a placement group's bundles and its nodes (ray#51117): engine i took bundles
+    i*tp .. i*tp+tp-1, which may lie on two nodes, so that vLLM's all-reduce of every layer crossed the network. The
+    bundles are grouped by node first (OpenRLHF's get_bundle_indices does the same), and a role's ranks follow that
+    order, so that --colocate_all pairs actor rank i with vLLM worker i on one bundle."""
+    assert ray_workers.tensor_parallel_bundles(nodes, engines, tp) == expected
+    assert all(len({nodes[b] for b in bundles}) == 1 for bundles in expected)
+    assert ray_workers.rank_bundles(nodes) == [b for bundles in ray_workers.tensor_parallel_bundles(
+        nodes, len(nodes) // tp, tp) for b in bundles]
+
+
+def test_engines_that_cannot_keep_to_one_node_are_refused_in_one_sentence():
+    with pytest.raises(UserError, match=r"^2 vLLM engine\(s\) at tensor parallel 2 need .* Ray reserved their GPUs "
+                                        r"3, 1 to a node; give each node a multiple of --vllm_tensor_parallel_size"):
+        ray_workers.tensor_parallel_bundles({0: "a", 1: "a", 2: "b", 3: "a"}, 2, 2)
+
+
+@pytest.mark.slow
+def test_engines_and_ranks_keep_to_a_node_on_a_group_spread_over_two(model, probes):
+    """Two simulated nodes of 2 GPUs, a placement group of 4 bundles that Ray spreads over them (SPREAD: bundle i on
+    node i % 2), --colocate_all's layout on it: each tensor-parallel engine's workers share a node, and actor rank i
+    shares bundle (and node) with vLLM worker i."""
+    from ray.util.placement_group import placement_group
+
+    cluster = start_cluster(2, gpus=2, cpus=4)
+    try:
+        pg = placement_group([{"GPU": 1, "CPU": 1}] * 4, strategy="SPREAD")
+        ray.get(pg.ready(), timeout=120)
+        nodes = ray_workers.bundle_nodes(pg)
+        assert len(set(nodes.values())) == 2
+        actor = placement_probe.probe_group(None, pg, 0.2, 1, role="actor")
+        engines = vllm_engine.create_vllm_engines(2, 2, model, 0, 64, placement_group=pg)
+        ranks = ray.get(actor.call("report"), timeout=60)
+        workers = [w for engine in engines for w in ray.get(engine.placement.remote(), timeout=60)]
+    finally:
+        stop_cluster(cluster)
+    assert [len({w["node"] for w in workers[i:i + 2]}) for i in (0, 2)] == [1, 1], workers
+    assert [r["node"] for r in ranks] == [w["node"] for w in workers]
+    assert actor.bundles == [b for engine in ray_workers.tensor_parallel_bundles(nodes, 2, 2) for b in engine]

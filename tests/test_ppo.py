@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from transformers import AutoModelForCausalLM
 from common.task_eval import greedy_responses
 
 REWARD_FN = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+import gpu_smoke  # noqa: E402  (launch/ is no package)
 
 
 def ppo_args(model, task, out, *extra):
@@ -53,6 +56,7 @@ def test_grpo_with_the_rule_reward_raises_reward_and_accuracy(sft_model, task, t
     scores, log = learn(sft_model, task, out, "grpo", *flags)
     # ZeRO-3 over 2 actor ranks: after every sync vLLM samples from exactly the trainer's weights.
     assert max(m["vllm/logprob_diff"] for m in log) < 1e-4
+    assert gpu_smoke.check_sync("ppo", log) is None  # make gpu-smoke's check passes a right sync
     assert log[-1]["objective/kl"] > 0.01  # the weights really moved away from the reference
     expect_learned("grpo", sft_model, task, out, scores)
 
@@ -122,6 +126,11 @@ def test_ppo_with_a_critic_and_async_rollouts_raises_reward_and_accuracy(sft_mod
     # except at step 7, whose policy they already took for step 6's evaluation.
     diffs = [m["vllm/logprob_diff"] for m in log]
     assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3, diffs
+    # Engines one update behind are what a sync that loads nothing leaves: make gpu-smoke's check fails them in a
+    # synchronous stage, from step 2 on, and leaves its async stage, stale by design, alone.
+    failure = gpu_smoke.check_sync("ppo", log)
+    assert failure and failure.split(": ", 1)[1].startswith("step 2 "), failure
+    assert gpu_smoke.check_sync("ppo_async", log) is None
     assert [m["step"] for m in log if "weight_sync/bytes" in m] == [2, 3, 4, 5, 6, 8, 9, 10, 11, 12]
     expect_learned("async ppo", sft_model, task, out, scores)
 

@@ -36,3 +36,15 @@ def test_tied_variants_share_one_matrix_and_carry_biases(tmp_path, architecture,
     assert {name.split(".")[-2] for name in names if name.endswith("bias")} == set(biased)
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n" and tokenizer.eos_token == "<|im_end|>"
+
+
+def test_the_mixtral_variant_keeps_four_fused_experts_per_layer(tmp_path):
+    """make gpu-smoke's MoE stage starts from it: 4 experts of 3 x hidden each, 2 per token, as transformers 5 keeps
+    them (fused tensors, no nn.Linear per expert), and no biases."""
+    model, _ = load(write_tiny_model(str(tmp_path), seed=0, architecture="mixtral"))
+    config = model.config
+    assert (config.model_type, config.num_local_experts, config.num_experts_per_tok) == ("mixtral", 4, 2)
+    experts = model.model.layers[0].mlp.experts
+    assert sum(p.numel() for p in experts.parameters()) == 4 * 3 * 128 * 384
+    assert not any(isinstance(m, torch.nn.Linear) for m in experts.modules())
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
