@@ -178,16 +178,17 @@ def test_cispo_at_its_defaults_clips_the_weight_at_five_and_keeps_each_tokens_gr
 
 
 @pytest.mark.parametrize("spread", [0.0, 0.3, 1.0])
-def test_gmpo_at_its_defaults_is_the_mean_over_responses_of_each_geometric_mean(spread):
+@pytest.mark.parametrize("flags,low,high", [({}, 0.4, 0.4), ({"eps_clip_low": 0.1, "eps_clip_high": 0.3}, 0.1, 0.3)])
+def test_gmpo_at_its_defaults_is_the_mean_over_responses_of_each_geometric_mean(spread, flags, low, high):
     """GMPO (Zhao et al. 2025, eq. 5): A_i (prod_t clipped r_t)^(1 / |y_i|), each ratio clipped to (e^-0.4, e^0.4)
-    from the side that would raise the objective, then the mean over responses."""
+    from the side that would raise the objective, then the mean over responses; clip flags the user gives win."""
     logprobs, old, advantages, mask = response_batch(6, spread)
-    loss = policy_loss_at_defaults("gmpo", logprobs, old, advantages, mask)
+    loss = policy_loss_at_defaults("gmpo", logprobs, old, advantages, mask, **flags)
     per_response = []
     for i in range(4):
         a = advantages[i, 0]
         log_ratios = [lp - o for lp, o in zip(tokens(logprobs, i), tokens(old, i))]
-        kept = [torch.clamp(x, max=0.4) if a > 0 else torch.clamp(x, min=-0.4) for x in log_ratios]
+        kept = [torch.clamp(x, max=high) if a > 0 else torch.clamp(x, min=-low) for x in log_ratios]
         per_response.append([a * torch.exp(sum(kept) / len(kept))])
     assert_value_and_gradient(loss, -response_mean(per_response), logprobs)
 
