@@ -14,7 +14,7 @@ in EQUIVALENT with the reason no test can tell it from the original.
 
 import argparse
 import os
-import subprocess
+import signal
 import sys
 import time
 
@@ -155,16 +155,37 @@ MUTANTS = [
 EQUIVALENT: dict[str, str] = {}
 
 
+def preload() -> None:
+    """Import the heavy libraries the tests use once, here: each mutant's tests run in a fork of this process, which
+    imports only the project's own modules anew, from the mutated source (about 40 s saved a mutant on a busy
+    machine). Nothing of the project may be imported here."""
+    import deepspeed  # noqa: F401
+    import pytest  # noqa: F401
+    import ray  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+
 def run_tests(files: list[str], timeout: int) -> tuple[bool, float]:
-    """Whether the fast tests in `files` all pass, and how long they took."""
+    """Whether the fast tests in `files` all pass, in a fork of this process, and how long they took."""
     start = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
-           "not slow and not real and not extended", *files]
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False, time.time() - start  # a mutant that hangs the tests is caught by them
-    return done.returncode == 0, time.time() - start
+    pid = os.fork()
+    if pid == 0:  # the child: pytest, quiet, its exit status for the parent
+        import pytest
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.chdir(ROOT)
+        os._exit(int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-m", "not slow and not real and not extended",
+                                  *files])))
+    while time.time() - start < timeout:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0, time.time() - start
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)  # a mutant that hangs the tests is caught by them
+    os.waitpid(pid, 0)
+    return False, time.time() - start
 
 
 def main() -> int:
@@ -178,6 +199,7 @@ def main() -> int:
         count = open(os.path.join(ROOT, path)).read().count(original)
         if count != 1:
             sys.exit(f"mutant {name!r}: its original text occurs {count} times in {path}; fix the list.")
+    preload()
     survivors, killed = [], 0
     for name, path, original, mutated in mutants:
         full = os.path.join(ROOT, path)
