@@ -145,7 +145,7 @@ def test_gspo_named_alone_weighs_responses_not_tokens_worked_by_hand():
 
 @pytest.mark.parametrize("spread", [2e-4, 0.3])
 def test_gspo_token_takes_each_tokens_advantage(spread):
-    """GSPO-token (Zheng et al. 2025, eqs. 13-17): s_{i,t} = sg(s_i) pi_t / sg(pi_t), min(s_{i,t} A_t,
+    """GSPO-token (Zheng et al. 2025, its token-level variant): s_{i,t} = sg(s_i) pi_t / sg(pi_t), min(s_{i,t} A_t,
     clip(s_{i,t}) A_t) per token, the response's token mean, the mean over responses. The gradient, by hand: token t
     gets -A_t s_i / (G |y_i|) where its term is not clipped."""
     logprobs, old, advantages, mask = response_batch(4, spread, per_token=True)
@@ -196,7 +196,7 @@ def test_gmpo_at_its_defaults_is_the_mean_over_responses_of_each_geometric_mean(
 @pytest.mark.parametrize("spread", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_sapo_at_its_defaults_gates_softly_and_averages_each_responses_tokens(spread, per_token):
-    """SAPO (Gao et al. 2025, eqs. 5-6): (4 / tau) sigmoid(tau (r_t - 1)) A_t, tau 1.0 where A_t > 0 and 1.05
+    """SAPO (Gao et al. 2025, eq. 6): (4 / tau) sigmoid(tau (r_t - 1)) A_t, tau 1.0 where A_t > 0 and 1.05
     where not, each response's token mean, then the mean over responses."""
     logprobs, old, advantages, mask = response_batch(7, spread, per_token)
     loss = policy_loss_at_defaults("sapo", logprobs, old, advantages, mask)
@@ -327,9 +327,9 @@ def test_each_advantage_estimator_at_its_defaults(estimator):
 
 # ----------------------------------------------------------------------------------------------- DeepSeek-V3.2
 def test_the_importance_weighted_k3_is_unbiased_off_policy_in_value_and_gradient():
-    """DeepSeek-V3.2 (2025, eq. 8): over tokens drawn from pi_old, E[pi / pi_old k3] = KL(pi || pi_ref) exactly, and
-    so is its gradient; plain k3 over the same draws is off in both. Worked on categoricals of 5 tokens by summing
-    over every token rather than sampling."""
+    """DeepSeek-V3.2 (2025, "Unbiased KL Estimate"): over tokens drawn from pi_old, E[pi / pi_old k3] is
+    KL(pi || pi_ref) exactly, and so is its gradient; plain k3 over the same draws is off. Worked on categoricals of
+    5 tokens by summing over every token rather than sampling."""
     gen = torch.Generator().manual_seed(12)
     logits = torch.randn(5, generator=gen, requires_grad=True)
     pi_log, old_log, ref_log = (torch.log_softmax(x, -1) for x in (logits, torch.randn(5, generator=gen),
@@ -358,9 +358,9 @@ def test_the_importance_weighted_k3_worked_by_hand():
 
 
 def test_off_policy_sequence_masking_worked_by_hand():
-    """DeepSeek-V3.2 (2025, eq. 9), delta 0.3: a response of A < 0 whose sampler is 0.5 nats a token above the
-    policy leaves the loss; the same drift with A > 0 stays, and so does A < 0 at a drift of 0.1. The loss still
-    divides by every token (the paper's 1 / |o|), so the masked response's tokens count in the mean as zeros."""
+    """DeepSeek-V3.2 (2025, "Off-Policy Sequence Masking"), delta 0.3: a response of A < 0 whose sampler is 0.5 nats
+    a token above the policy leaves the loss; the same drift with A > 0 stays, and so does A < 0 at a drift of 0.1.
+    The loss still divides by every token (the paper's 1 / |o|): the masked response's tokens count as zeros."""
     mask = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 0, 0]])
     logprobs = torch.full((3, 3), -1.0, requires_grad=True)
     sampler = logprobs.detach() + torch.tensor([[0.5], [0.5], [0.1]])
@@ -434,7 +434,7 @@ def test_simpo_and_orpo_as_preference_losses_gives_them_against_their_papers():
 @pytest.mark.parametrize("loss_type,nll_loss_coef,weight", [("orpo", 0.0, 1.0), ("sigmoid", 0.0, 0.0),
                                                             ("sigmoid", 0.2, 0.2)])
 def test_orpos_objective_holds_the_chosen_responses_nll_at_weight_one(loss_type, nll_loss_coef, weight):
-    """ORPO is L_SFT + lambda L_OR (Hong et al. 2024, eq. 6): the chosen responses' NLL per token at weight 1, where
+    """ORPO is L_SFT + lambda L_OR (Hong et al. 2024): the chosen responses' NLL per token at weight 1, where
     DPO has it only at --nll_loss_coef (Pang et al. 2024)."""
     chosen = torch.tensor([-6.0, -9.0], requires_grad=True)
     args = dpo.Args(loss_type=loss_type, nll_loss_coef=nll_loss_coef)
