@@ -223,6 +223,19 @@ def test_a_valid_token_with_an_extreme_log_ratio_leaves_every_gradient_finite(ki
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
 
+@pytest.mark.parametrize("kind", ppo_ray.POLICY_LOSSES)
+def test_padding_that_holds_nan_changes_neither_the_loss_nor_its_gradient(kind):
+    """Padding may hold anything, another micro-batch's layout or NaN: the loss and its gradient are those of the
+    same batch with zeros there."""
+    logprobs, old, advantages, mask = response_batch(10, 0.3)
+    results = []
+    for fill in (0.0, float("nan")):
+        padded = torch.where(mask.bool(), logprobs.detach(), fill).requires_grad_()
+        loss = policy_loss_at_defaults(kind, padded, torch.where(mask.bool(), old, fill), advantages, mask)
+        results.append((loss, torch.autograd.grad(loss, padded)[0]))
+    torch.testing.assert_close(results[1], results[0])
+
+
 # ----------------------------------------------------------------------------------------------- rollout corrections
 def correction_batch():
     """pi_old / pi_vllm per token: response 0 agrees with vLLM to 1e-4 nats a token; response 1 holds ratios 0.3, 1,
