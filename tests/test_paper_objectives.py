@@ -9,6 +9,7 @@ from each script's Args with only the option named, so a default that drifts fro
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 import dpo
 import ppo_ray
 from common import ppo_tricks
+from common.args import UserError
 from kto import kto_loss
 from rm import pairwise_loss
 
@@ -234,6 +236,37 @@ def test_padding_that_holds_nan_changes_neither_the_loss_nor_its_gradient(kind):
         loss = policy_loss_at_defaults(kind, padded, torch.where(mask.bool(), old, fill), advantages, mask)
         results.append((loss, torch.autograd.grad(loss, padded)[0]))
     torch.testing.assert_close(results[1], results[0])
+
+
+@pytest.mark.parametrize("flags,words", [
+    ({"advantage_estimator": "gae"}, "gmpo takes one advantage per response and gae's advantages differ token by"),
+    ({"teacher_pretrain": "teacher"}, "and --teacher_pretrain adds a distillation reward of its own to each token"),
+    ({"advantage_estimator": "rloo"}, "and --advantage_estimator rloo puts the KL penalty (--init_kl_coef 0.01)"),
+    ({"gamma": 0.9}, "and --gamma 0.9 discounts the reward differently for each token"),
+])
+def test_gmpo_with_per_token_advantages_is_refused_in_one_sentence(flags, words):
+    """GMPO has no token-level form: where advantages differ within a response, averaging them would silently
+    collapse the per-token signal, so the run is refused (GSPO takes them, as GSPO-token)."""
+    args = ppo_ray.Args(**{"pretrain": "unused", "reward_fn": "unused.py:f", "policy_loss": "gmpo",
+                           "advantage_estimator": "grpo", "n_samples_per_prompt": 2, **flags})
+    with pytest.raises(UserError, match=re.escape(words)):
+        ppo_ray.check_args(args)
+    args.policy_loss = "gspo"
+    with pytest.raises(UserError, match="does not exist"):  # gspo passes every flag check, on to the model path
+        ppo_ray.check_args(args)
+
+
+@pytest.mark.parametrize("flags,words", [
+    ({"kl_estimator": "k3-unbiased", "advantage_estimator": "rloo"}, "--kl_estimator k3-unbiased weighs k3 by pi"),
+    ({"off_policy_seq_mask": -0.1}, "--off_policy_seq_mask -0.1 would mask responses the sampler agrees with"),
+    ({"vllm_rs_threshold": 0.99}, "seq-mask-tis's band [--vllm_rs_threshold_lower 0.999, --vllm_rs_threshold 0.99]"),
+    ({"vllm_is_kind": "icepop", "vllm_is_cap": 0.8}, "--vllm_is_cap 0.8 would down-weight"),
+])
+def test_the_new_flags_out_of_range_are_refused_in_one_sentence(flags, words):
+    args = ppo_ray.Args(**{"pretrain": "unused", "reward_fn": "unused.py:f", "advantage_estimator": "grpo",
+                           "n_samples_per_prompt": 2, **flags})
+    with pytest.raises(UserError, match=re.escape(words)):
+        ppo_ray.check_args(args)
 
 
 # ----------------------------------------------------------------------------------------------- rollout corrections
