@@ -227,6 +227,13 @@ def preference_losses(args, chosen_logps, rejected_logps, ref_logps, lengths):
     return dpo_loss(chosen_logps, rejected_logps, *ref_logps, args.beta, args.label_smoothing, args.loss_type)
 
 
+def nll_term(args, chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """The chosen responses' NLL per token, chosen_logps (pairs,) summed over `chosen_tokens` tokens, weighed by
+    --nll_loss_coef, or by 1 under ORPO, whose objective L_SFT + lambda L_OR holds it (Hong et al. 2024, eq. 6)."""
+    coef = 1.0 if args.loss_type == "orpo" else args.nll_loss_coef
+    return coef * -chosen_logps.sum() / chosen_tokens.clamp(min=1)
+
+
 def response_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens of each chosen and of each rejected response: (pairs,) each, at least 1."""
     tokens = sequence_sums(batch["loss_mask"][:, 1:].float(), batch.get("position_ids"))  # (2 * pairs,)
@@ -364,7 +371,6 @@ def main(args: Args):
     logger = MetricsLogger(args.output_dir, rank, vars(args), args.use_wandb, args.wandb_project,
                            resume_step=start_step)
 
-    nll_coef = 1.0 if args.loss_type == "orpo" else args.nll_loss_coef  # ORPO's NLL term is its own
     bar = progress(total_steps, rank, "dpo", initial=start_step)
     for step in range(start_step, total_steps):
         epoch = step // steps_per_epoch
@@ -387,10 +393,8 @@ def main(args: Args):
             chosen_logps, rejected_logps = forward_logps(engine, batch)
             losses, chosen_rewards, rejected_rewards = preference_losses(args, chosen_logps, rejected_logps,
                                                                          ref_logps, response_lengths(batch))
-            loss = losses.mean()
-            if nll_coef:  # (DeepSpeed averages the micro-batches and ranks: their shares, scaled back)
-                nll = -chosen_logps.sum() / chosen_tokens.clamp(min=1) * len(step_batches) * world_size
-                loss = loss + nll_coef * nll
+            # DeepSpeed averages the micro-batches and ranks: the NLL's shares of the step, scaled back
+            loss = losses.mean() + nll_term(args, chosen_logps, chosen_tokens) * len(step_batches) * world_size
             aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
             engine.backward(loss + aux)
             engine.step()
@@ -410,7 +414,7 @@ def main(args: Args):
                    "perf/ref_forward_share": total["ref_seconds"] / world_size / seconds}
         if total["aux_loss"]:
             metrics["train/aux_loss"] = total["aux_loss"] / pairs
-        if nll_coef:  # the term added to train/loss, per chosen token
+        if args.loss_type == "orpo" or args.nll_loss_coef:  # the term added to train/loss, per chosen token
             metrics["train/nll_loss"] = -total["chosen_logps"] / max(chosen_tokens.item(), 1)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))

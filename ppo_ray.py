@@ -64,8 +64,8 @@ class Args:
     """discount factor"""
     lambd: float = 0.95
     """GAE lambda"""
-    eps_clip: float = 0.2
-    """PPO policy ratio clip range: the ratio is kept in [1 - eps_clip, 1 + eps_clip]"""
+    eps_clip: float | None = None
+    """the policy ratio's clip range [1 - eps_clip, 1 + eps_clip] (default 0.2; gspo 3e-4/4e-4, gmpo 0.4, cispo 4)"""
     eps_clip_low: float | None = None
     """the lower clip range alone, 1 - eps_clip_low (default: --eps_clip)"""
     eps_clip_high: float | None = None
@@ -75,7 +75,7 @@ class Args:
     value_clip: float = 0.2
     """PPO value clip range"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
-    """how token losses are averaged: DAPO's token-mean, GRPO's seq-mean, Dr. GRPO's sum-norm (default for dr_grpo)"""
+    """DAPO's token-mean (default), GRPO's seq-mean (default: gspo, gmpo, sapo), Dr. GRPO's sum-norm (dr_grpo)"""
     policy_loss: Literal["ppo", "gspo", "cispo", "gmpo", "sapo"] = "ppo"
     """the policy-gradient loss: PPO's clip, or GSPO, CISPO, GMPO or SAPO (docs/ppo.md has each formula)"""
     sapo_tau_pos: float = 1.0
@@ -88,8 +88,8 @@ class Args:
     """turns on the adaptive KL controller, which steers objective/kl (a mean per response token) to this value"""
     kl_horizon: int = 10000
     """horizon of the adaptive KL controller"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """per-token KL estimator of the reward penalty (grpo's KL loss always uses k3)"""
+    kl_estimator: Literal["k1", "k2", "k3", "k3-unbiased"] = "k1"
+    """per-token KL estimator of the reward penalty; grpo's KL loss uses k3, or DeepSeek-V3.2's k3 x pi / pi_old"""
     entropy_coef: float = 0.0
     """entropy bonus coefficient"""
     ptx_data: str | None = None
@@ -121,12 +121,18 @@ class Args:
     vllm_is_correction: bool = False
     """correct each token's loss for the sampler/trainer mismatch pi_trainer / pi_vllm, as --vllm_is_kind says"""
     vllm_is_kind: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
-    """tis: weigh by the ratio capped at --vllm_is_cap; icepop: drop tokens whose ratio leaves [--vllm_is_floor, cap];
-    seq-mask-tis: tis, and drop responses whose mean log-ratio leaves that band"""
-    vllm_is_cap: float = 2.0
-    """the upper bound of the ratio (--vllm_is_correction)"""
+    """tis: weigh by the ratio capped at --vllm_is_cap; icepop: the ratio inside [--vllm_is_floor, cap], 0 outside;
+    seq-mask-tis: tis, and drop responses whose geometric-mean ratio leaves [--vllm_rs_threshold_lower, threshold]"""
+    vllm_is_cap: float | None = None
+    """the upper bound of the ratio (default: 2, icepop 5 as in its paper)"""
     vllm_is_floor: float = 0.5
-    """the lower bound of the ratio for icepop and seq-mask-tis"""
+    """the lower bound of the ratio for icepop"""
+    vllm_rs_threshold: float = 1.001
+    """seq-mask-tis's upper bound on a response's geometric-mean ratio (verl's rollout_rs_threshold)"""
+    vllm_rs_threshold_lower: float = 0.999
+    """seq-mask-tis's lower bound on it (verl's rollout_rs_threshold_lower)"""
+    off_policy_seq_mask: float | None = None
+    """DeepSeek-V3.2: a negative-advantage response whose mean log(pi_vllm / pi) exceeds this leaves the loss"""
     teacher_pretrain: str | None = None
     """on-policy distillation: a frozen teacher sharing the tokenizer; each sampled token's advantage gains
     --teacher_coef x (log pi_teacher - log pi), a reverse-KL reward, alone or beside the reward sources"""
@@ -289,7 +295,7 @@ def resume_settings(args: Args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- ALGO LOGIC
-KL_IN_LOSS = ("grpo", "dr_grpo")  # estimators whose KL to the reference is a loss term, not a reward penalty
+KL_IN_LOSS = tricks.KL_IN_LOSS  # estimators whose KL to the reference is a loss term, not a reward penalty
 
 
 def update_is_on_policy(args: Args) -> bool:
@@ -302,7 +308,6 @@ def update_is_on_policy(args: Args) -> bool:
 
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo")
-SEQUENCE_LEVEL = ("gspo", "gmpo")  # one ratio and one advantage per response
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, dual_clip=None, weights=None,
@@ -313,8 +318,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
       ppo:   min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t) (Schulman et al. 2017, eq. 7); a larger clip_high
              is DAPO's clip-higher (Yu et al. 2025); dual_clip = c > 1 bounds J_t below by c A_t where A_t < 0
              (Ye et al. 2020)
-      gspo:  PPO's clip on the response's ratio s = exp(mean_t log r_t), with the response's advantage, in GSPO-token
-             form: s sg(...) r_t / sg(r_t), whose gradient is the sequence objective's (Zheng et al. 2025, eqs. 5-10)
+      gspo:  PPO's clip on the response's ratio s = exp(mean_t log r_t) with each token's advantage, GSPO-token:
+             sg(s) r_t / sg(r_t), whose gradient is the sequence objective's (Zheng et al. 2025, eqs. 5-10, 13-17)
       cispo: sg(min(r_t, 1 + clip_high)) A_t log pi(a_t): the weight is clipped, never the token's gradient
              (MiniMax-M1, 2025, eq. 4)
       gmpo:  the geometric mean of the tokens' clipped objectives, A exp(mean_t sgn(A) min(sgn(A) log r_t,
@@ -325,10 +330,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
     """
     valid = mask.bool()
     # padding may hold anything (another micro-batch's layout): an exp that overflows there makes the gradient NaN
-    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-tricks.MAX_LOG_RATIO, tricks.MAX_LOG_RATIO)
     approx_kl = tricks.masked_mean(0.5 * log_ratio.pow(2), mask)
-    if kind in SEQUENCE_LEVEL:
-        advantages = tricks.masked_mean(advantages, mask, dim=-1).unsqueeze(-1)  # (batch, 1): one per response
+    if kind == "gmpo":  # one advantage per response (ppo_checks refuses per-token ones)
+        advantages = tricks.masked_mean(advantages, mask, dim=-1).unsqueeze(-1)  # (batch, 1)
     if kind == "gspo":
         seq_log_ratio = tricks.masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # (batch, 1)
         token_log_ratio = torch.where(valid, logprobs - logprobs.detach(), 0.0) + seq_log_ratio.detach()
@@ -360,8 +365,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
 
 
 def loss_agg(args: Args) -> str:
-    """--loss_agg, or its default: Dr. GRPO's unnormalised sequence sums for dr_grpo, else the mean over tokens."""
-    return args.loss_agg or ("seq-mean-token-sum-norm" if args.advantage_estimator == "dr_grpo" else "token-mean")
+    """--loss_agg, or its default for this --policy_loss and --advantage_estimator (tricks.default_loss_agg)."""
+    return args.loss_agg or tricks.default_loss_agg(args)
 
 
 def train_batch_count(micro_batches: list[dict], agg: str) -> torch.Tensor:
@@ -373,34 +378,34 @@ def train_batch_count(micro_batches: list[dict], agg: str) -> torch.Tensor:
     return count
 
 
-def rollout_correction(kind, old_logprobs, vllm_logprobs, mask, low, high):
+def rollout_correction(kind, old_logprobs, vllm_logprobs, mask, low, high, seq_band):
     """Weights for each token's policy loss where vLLM sampled from pi_vllm and the loss assumes pi_old; all
     (batch, seq), 0 outside the mask. Returns (weights, share of the tokens the correction capped or masked).
 
       tis:          min(pi_old / pi_vllm, high) (truncated IS, Yao et al. 2025)
-      icepop:       1 where pi_old / pi_vllm is in [low, high], else 0: such tokens leave the loss (IcePop, Ling
-                    team 2025)
-      seq-mask-tis: tis, and a response whose ratio exp(mean_t log(pi_old / pi_vllm)) leaves [low, high] is left
-                    out whole (the sequence-masked TIS of OpenRLHF 0.11)
+      icepop:       pi_old / pi_vllm where it is in [low, high], else 0: such tokens leave the loss (IcePop, Ling
+                    team 2025, "Every Step Evolves", eq. 3)
+      seq-mask-tis: tis, and a response whose ratio exp(mean_t log(pi_old / pi_vllm)) leaves `seq_band` is left
+                    out whole (verl's geometric rejection sampling, a band of its own)
     """
     valid = mask.bool()
-    log_ratio = torch.where(valid, old_logprobs - vllm_logprobs, 0.0)
+    log_ratio = torch.where(valid, old_logprobs - vllm_logprobs, 0.0).clamp(-tricks.MAX_LOG_RATIO, tricks.MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     if kind == "icepop":
         keep = (ratio >= low) & (ratio <= high) & valid
-        return keep.float(), tricks.masked_mean((~keep).float(), mask)
+        return torch.where(keep, ratio, 0.0), tricks.masked_mean((~keep).float(), mask)
     weights = torch.where(valid, ratio.clamp(max=high), 0.0)
     if kind == "tis":
         return weights, tricks.masked_mean((ratio > high).float(), mask)
     seq_ratio = tricks.masked_mean(log_ratio, mask, dim=-1).exp().unsqueeze(-1)  # (batch, 1)
-    keep = ((seq_ratio >= low) & (seq_ratio <= high)).expand_as(mask) & valid
+    keep = ((seq_ratio >= seq_band[0]) & (seq_ratio <= seq_band[1])).expand_as(mask) & valid
     return torch.where(keep, weights, 0.0), tricks.masked_mean((~keep).float(), mask)
 
 
 def vllm_correction(args: Args, old_logprobs, vllm_logprobs, mask) -> tuple[torch.Tensor, dict]:
     """--vllm_is_kind's weights, and its metric: vllm/is_capped (tis) or vllm/is_masked, the share of tokens."""
-    weights, share = rollout_correction(args.vllm_is_kind, old_logprobs, vllm_logprobs, mask, args.vllm_is_floor,
-                                        args.vllm_is_cap)
+    weights, share = rollout_correction(args.vllm_is_kind, old_logprobs, vllm_logprobs, mask,
+                                        *tricks.vllm_is_band(args))
     return weights, {"vllm/is_capped" if args.vllm_is_kind == "tis" else "vllm/is_masked": share}
 
 
@@ -614,12 +619,14 @@ class ActorWorker(ModelWorker):
                         mb["is_weights"], correction = vllm_correction(args, mb["old_logprobs"], mb["vllm_logprobs"],
                                                                        mask)
                         on_policy[-1][0].update(correction)
+                weights = tricks.off_policy_sequence_mask(logprobs, mb["vllm_logprobs"], mb["advantages"], mask,
+                                                          args.off_policy_seq_mask, mb.get("is_weights"))
                 loss, clipfrac, approx_kl = policy_loss(
-                    logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip,
-                    mb.get("is_weights"), agg, args.generate_max_len, count, args.policy_loss,
-                    (args.sapo_tau_pos, args.sapo_tau_neg))
-                if args.advantage_estimator in KL_IN_LOSS and "ref_logprobs" in mb:  # GRPO's KL: k3, in the loss
-                    kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], "k3", mask)
+                    logprobs, mb["old_logprobs"], mb["advantages"], mask, *clip_range(args), args.dual_clip, weights,
+                    agg, args.generate_max_len, count, args.policy_loss, (args.sapo_tau_pos, args.sapo_tau_neg))
+                if args.advantage_estimator in KL_IN_LOSS and "ref_logprobs" in mb:  # GRPO's KL, in the loss
+                    kl = tricks.kl_penalty(logprobs, mb["ref_logprobs"], tricks.kl_loss_estimator(args), mask,
+                                           mb["old_logprobs"])
                     loss = loss + kl_coef * tricks.aggregate(kl, mask, agg, args.generate_max_len, count)
                 means.append(({"policy/clipfrac_avg": clipfrac, "policy/approxkl_avg": approx_kl,
                                "objective/entropy": tricks.masked_mean(entropy, mask)}, mask))

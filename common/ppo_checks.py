@@ -6,7 +6,7 @@ from common.args import (UserError, check_causal_lm, check_decoder_only, check_l
 from common.checkpoint import check_keep_last
 from common.deepspeed_utils import load_tokenizer
 from common.placement import critic_path
-from common.ppo_tricks import GROUPED, clip_range
+from common.ppo_tricks import GROUPED, KL_IN_LOSS, clip_range, uses_reference, vllm_is_band
 
 # Options --async_rollouts cannot overlap generation with training under, and why.
 ASYNC_CLASHES = {
@@ -51,10 +51,18 @@ def check_args(args) -> None:
     if not (0 < low < 1 and high > 0):
         raise UserError(f"the policy ratio's clip range [1 - {low}, 1 + {high}] is empty or unbounded; give "
                         f"--eps_clip (or --eps_clip_low and --eps_clip_high) between 0 and 1, e.g. 0.2.")
-    if args.policy_loss in ("gspo", "gmpo") and args.advantage_estimator == "gae":
-        raise UserError(f"--policy_loss {args.policy_loss} weighs each response by one ratio and one advantage, "
-                        f"and gae's advantages differ token by token; use it with --advantage_estimator grpo, "
-                        f"dr_grpo, rloo or reinforce++.")
+    token_level = per_token_advantages(args)
+    if args.policy_loss == "gmpo" and token_level:  # GMPO has no token-level form; GSPO has (GSPO-token)
+        raise UserError(f"--policy_loss gmpo takes one advantage per response and {token_level}; use "
+                        f"--advantage_estimator grpo or dr_grpo (or --init_kl_coef 0) without --teacher_pretrain, or "
+                        f"--policy_loss gspo, whose GSPO-token form takes an advantage per token.")
+    if args.kl_estimator == "k3-unbiased" and args.advantage_estimator not in KL_IN_LOSS:
+        raise UserError(f"--kl_estimator k3-unbiased weighs k3 by pi / pi_old inside the loss, and "
+                        f"--advantage_estimator {args.advantage_estimator} puts the KL into the reward, where pi is "
+                        f"pi_old; use it with --advantage_estimator grpo or dr_grpo, or use --kl_estimator k3.")
+    if args.off_policy_seq_mask is not None and args.off_policy_seq_mask < 0:
+        raise UserError(f"--off_policy_seq_mask {args.off_policy_seq_mask} would mask responses the sampler agrees "
+                        f"with; give a threshold of 0 or more nats per token (or leave it out).")
     if args.dual_clip is not None and args.policy_loss != "ppo":
         raise UserError(f"--dual_clip bounds PPO's clipped objective; leave it out with --policy_loss "
                         f"{args.policy_loss}.")
@@ -80,9 +88,13 @@ def check_args(args) -> None:
     for flag, why in ASYNC_CLASHES.items():
         if args.async_rollouts and getattr(args, flag):
             raise UserError(f"--async_rollouts cannot be used with --{flag}: {why}; leave out one of the two.")
-    if args.vllm_is_cap < 1:
-        raise UserError(f"--vllm_is_cap {args.vllm_is_cap} would down-weight tokens both policies agree on; give a "
+    floor, cap, (seq_low, seq_high) = vllm_is_band(args)
+    if cap < 1:
+        raise UserError(f"--vllm_is_cap {cap} would down-weight tokens both policies agree on; give a "
                         f"cap of 1 or more (2 is usual).")
+    if not 0 < seq_low <= 1 <= seq_high:
+        raise UserError(f"seq-mask-tis's band [--vllm_rs_threshold_lower {seq_low}, --vllm_rs_threshold {seq_high}] "
+                        f"must hold 1, where the sampler and the trainer agree (verl's is [0.999, 1.001]).")
     rollout = args.rollout_batch_size * args.n_samples_per_prompt
     if rollout % args.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {rollout} responses must be a multiple "
@@ -113,6 +125,21 @@ def check_args(args) -> None:
         check_model_path(args.teacher_pretrain, "--teacher_pretrain")
         check_causal_lm(args.teacher_pretrain, "--teacher_pretrain")
         check_lengths(args.teacher_pretrain, *sequence, "--teacher_pretrain")
+
+
+def per_token_advantages(args) -> str | None:
+    """Why this run's advantages can differ from token to token within a response, or None where each response has
+    one advantage on all its tokens (a sequence-level loss such as GMPO needs that)."""
+    if args.advantage_estimator == "gae":
+        return "gae's advantages differ token by token"
+    if args.teacher_pretrain:
+        return "--teacher_pretrain adds a distillation reward of its own to each token"
+    if uses_reference(args) and args.advantage_estimator not in KL_IN_LOSS:
+        return (f"--advantage_estimator {args.advantage_estimator} puts the KL penalty (--init_kl_coef "
+                f"{args.init_kl_coef}) into each token's reward")
+    if args.gamma != 1:
+        return f"--gamma {args.gamma} discounts the reward differently for each token"
+    return None
 
 
 def check_tokenizers(args, tokenizer) -> None:

@@ -6,6 +6,9 @@ Nothing divides by an empty count: a statistic over no tokens is 0.
 
     - compute_gae / compute_returns           advantages and returns (Schulman et al. 2016, GAE)
     - kl_penalty                              per-token KL estimators k1, k2, k3 (http://joschu.net/blog/kl-approx.html)
+                                              and DeepSeek-V3.2's importance-weighted k3
+    - off_policy_sequence_mask                DeepSeek-V3.2's off-policy sequence masking
+    - clip_range / default_loss_agg / vllm_is_band  each option's paper's settings where the user gave none
     - FixedKLController / AdaptiveKLController  the KL coefficient (Ziegler et al. 2019)
     - uses_reference                          whether a run has a reference model at all (a KL coefficient above 0)
     - masked_mean / masked_var / masked_whiten
@@ -19,6 +22,9 @@ import torch
 
 # Added to the variance before the square root, so whitening a constant tensor gives zeros, not NaN.
 WHITEN_EPS = 1e-8
+# Every log-ratio that reaches an exp is kept within +-20 nats (as verl does): exp(89) overflows float32, and an inf
+# on one valid token makes the whole gradient NaN; no real update moves a token's probability e^20-fold.
+MAX_LOG_RATIO = 20.0
 
 
 # ----------------------------------------------------------------------------------------------- masked statistics
@@ -186,34 +192,101 @@ def groups_with_a_spread(scores: torch.Tensor, n_samples_per_prompt: int, eps: f
 
 # ----------------------------------------------------------------------------------------------- KL
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+               mask: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the log probs of tokens sampled from the policy.
 
     With log_ratio = logprobs - ref_logprobs (http://joschu.net/blog/kl-approx.html):
     - "k1": log_ratio. Unbiased, high variance, negative on some tokens.
     - "k2": 0.5 * log_ratio^2. Biased, low variance, never negative.
     - "k3": exp(-log_ratio) - 1 + log_ratio. Unbiased, low variance, never negative (r - 1 - log r >= 0 for r > 0).
+    - "k3-unbiased": k3 x pi / pi_old, pi_old = exp(old_logprobs), the policy that sampled the tokens (DeepSeek-V3.2,
+      2025, eq. 8). k3 is unbiased only for tokens the current policy sampled; in a loss after an update they came
+      from pi_old, and the ratio (with its gradient) reweighs them to pi. Without `old_logprobs` the ratio is 1.
     With a `mask`, the estimate is 0 outside it: k3's exp of whatever padding holds could overflow, and a masked-out
-    inf still makes the gradient NaN.
+    inf still makes the gradient NaN. Every log-ratio is clamped to +-MAX_LOG_RATIO.
     """
-    log_ratio = logprobs - ref_logprobs if mask is None else torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
+    valid = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask.bool()
+    log_ratio = torch.where(valid, logprobs - ref_logprobs, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if kind == "k1":
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
+    k3 = torch.exp(-log_ratio) - 1 + log_ratio
     if kind == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio
-    raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'.")
+        return k3
+    if kind == "k3-unbiased":
+        if old_logprobs is None:
+            return k3
+        return torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp() * k3
+    raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2', 'k3' or 'k3-unbiased'.")
+
+
+def kl_loss_estimator(args) -> str:
+    """The estimator of grpo's and dr_grpo's KL loss term: k3 (DeepSeekMath), or --kl_estimator k3-unbiased."""
+    return "k3-unbiased" if args.kl_estimator == "k3-unbiased" else "k3"
+
+
+def off_policy_sequence_mask(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, delta: float | None, weights: torch.Tensor | None = None):
+    """DeepSeek-V3.2's off-policy sequence masking (2025, eq. 9), all (batch, seq): the token weights times
+
+        M_t = 0 where A_t < 0 and (1 / |o|) sum_t log(pi_sampler(o_t) / pi(o_t)) > delta, else 1,
+
+    so a response the sampler has drifted away from by more than delta nats a token cannot push the policy away
+    from its own (bad) tokens; positive advantages still teach. The aggregate's count is unchanged, as in the paper's
+    1/|o| normalisation. `delta` None: `weights` come back as they are.
+    """
+    if delta is None:
+        return weights
+    log_ratio = torch.where(mask.bool(), sampler_logprobs - logprobs.detach(), 0.0)
+    drift = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # (batch, 1): KL(sampler || pi) per token
+    keep = ~((advantages < 0) & (drift > delta))
+    return keep.float() if weights is None else weights * keep
 
 
 # Advantage estimators that compare the samples of one prompt (they need --n_samples_per_prompt 2 or more).
 GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce++-baseline")
+KL_IN_LOSS = ("grpo", "dr_grpo")  # estimators whose KL to the reference is a loss term, not a reward penalty
+
+
+# What each --policy_loss's paper (or, where it is silent, the implementation docs/ppo.md cites) uses for the flags
+# the user left out; ppo, and any flag the user gave, keep the shared defaults or what was given.
+POLICY_LOSS_DEFAULTS = {
+    "gspo": {"eps_clip_low": 3e-4, "eps_clip_high": 4e-4, "loss_agg": "seq-mean-token-mean"},  # GSPO, sec. 5
+    "gmpo": {"eps_clip_low": 0.4, "eps_clip_high": 0.4, "loss_agg": "seq-mean-token-mean"},  # GMPO: (e^-0.4, e^0.4)
+    "sapo": {"loss_agg": "seq-mean-token-mean"},  # SAPO eq. 5, verl and TRL: each response's token mean
+    "cispo": {"eps_clip_high": 4.0},  # MiniMax-M1 tunes only the cap; TRL's epsilon_high 5 is the cap 1 + 4
+}
+EPS_CLIP = 0.2
+VLLM_IS_CAP = {"tis": 2.0, "icepop": 5.0, "seq-mask-tis": 2.0}  # TIS (Yao et al.) 2; IcePop's band is [0.5, 5]
 
 
 def clip_range(args) -> tuple[float, float]:
-    """(low, high): the policy ratio is clipped to [1 - low, 1 + high] (--eps_clip_low/high, else --eps_clip)."""
-    low, high = args.eps_clip_low, args.eps_clip_high
-    return (args.eps_clip if low is None else low), (args.eps_clip if high is None else high)
+    """(low, high): the policy ratio is clipped to [1 - low, 1 + high]: --eps_clip_low/high, else --eps_clip, else
+    the --policy_loss's paper's (POLICY_LOSS_DEFAULTS), else 0.2."""
+    paper = POLICY_LOSS_DEFAULTS.get(getattr(args, "policy_loss", "ppo"), {})
+
+    def bound(side: str) -> float:
+        given = getattr(args, f"eps_clip_{side}")
+        if given is not None:
+            return given
+        return args.eps_clip if args.eps_clip is not None else paper.get(f"eps_clip_{side}", EPS_CLIP)
+
+    return bound("low"), bound("high")
+
+
+def default_loss_agg(args) -> str:
+    """--loss_agg where the user gave none: the --policy_loss's paper's, else Dr. GRPO's unnormalised sequence sums
+    for dr_grpo, else DAPO's mean over tokens."""
+    paper = POLICY_LOSS_DEFAULTS.get(args.policy_loss, {}).get("loss_agg")
+    return paper or ("seq-mean-token-sum-norm" if args.advantage_estimator == "dr_grpo" else "token-mean")
+
+
+def vllm_is_band(args) -> tuple[float, float, tuple[float, float]]:
+    """(floor, cap, sequence band) of pi_trainer / pi_vllm for --vllm_is_kind: --vllm_is_floor, --vllm_is_cap or the
+    kind's, and seq-mask-tis's band of a response's geometric-mean ratio, a band of its own (verl keeps them apart)."""
+    cap = VLLM_IS_CAP[args.vllm_is_kind] if args.vllm_is_cap is None else args.vllm_is_cap
+    return args.vllm_is_floor, cap, (args.vllm_rs_threshold_lower, args.vllm_rs_threshold)
 
 
 def uses_reference(args) -> bool:

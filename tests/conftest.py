@@ -9,6 +9,7 @@ CPU threads, which changes the order of float reductions the way another CPU's k
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,17 @@ def expect(quantity: str, value: float, op: str, threshold: float) -> None:
                             "threads": THREADS or "default"}) + "\n")
     if not ok:
         _missed.append(message)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """Put pytest's Ctrl-C and SIGTERM handlers back after each test. A test that runs common.args.run_main in this
+    process leaves them ignored (run_main's clean-up ignores a second Ctrl-C) or raising its own interrupt, and the
+    suite would then run on through every Ctrl-C (test_interrupt.py)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +134,13 @@ def training_problem_scores(model_dir: str, task: dict) -> dict:
 
 def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 1200, check: bool = True,
                background: bool = False):
-    """Run a top-level script as a user would: `python script.py` (1 rank) or `deepspeed --num_gpus N script.py`."""
+    """Run a top-level script as a user would: `python script.py` (1 rank) or `deepspeed --num_gpus N script.py`.
+
+    The script gets a temp directory of its own (TMPDIR; Ray's sockets stay in the shared one, whose short path they
+    need), so that the check for the vLLM rendezvous files it leaves behind sees its own files, not those of another
+    job on the machine (a researcher's training run beside `make test` is normal)."""
+    env = dict(os.environ, TMPDIR=tempfile.mkdtemp(prefix="run_"))
+    env.setdefault("RAY_TMPDIR", tempfile.gettempdir())
     if nprocs == 1:
         cmd = [sys.executable, os.path.join(ROOT, script), *args]
     else:
@@ -131,30 +149,31 @@ def run_script(script: str, args: list[str], nprocs: int = 1, timeout: int = 120
     # Its own process group, so that a test can end the launcher and every rank at once, and nothing else.
     if background:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-    rendezvous_files = vllm_rendezvous_files()
+                                start_new_session=True, env=env)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)  # the ranks and Ray workers too, not only the launcher
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)
         raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s") from None
+    left = vllm_rendezvous_files(env["TMPDIR"])
+    shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-5000:]}")
-    left = vllm_rendezvous_files() - rendezvous_files
     if check and left:
         raise AssertionError(f"{script} finished but left {len(left)} vLLM rendezvous file(s) behind "
                              f"({', '.join(sorted(left))}): a vLLM engine was not shut down before Ray ended it.")
     return result
 
 
-def vllm_rendezvous_files() -> set[str]:
-    """The files vLLM's engines make in the temp directory to start their process group (vllm_dist_<id>); an engine
-    removes its own when shut down (common/vllm_engine.shutdown_engines), not when Ray kills it."""
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
+def vllm_rendezvous_files(temp_dir: str) -> set[str]:
+    """The files vLLM's engines make in a run's temp directory to start their process group (vllm_dist_<id>); an
+    engine removes its own when shut down (common/vllm_engine.shutdown_engines), not when Ray kills it."""
+    return {os.path.basename(path) for path in glob.glob(os.path.join(temp_dir, "vllm_dist_*"))}
 
 
 def kill_group(proc) -> None:

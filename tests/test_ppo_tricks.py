@@ -366,7 +366,8 @@ def rollout(estimator: str, seed: int = 16):
     gen = torch.Generator().manual_seed(seed)
     mask = right_padded_mask([3, 7, 2, 6, 5, 1, 4, 7], seq=7)
     logprobs, ref_logprobs = -torch.rand(2, *mask.shape, generator=gen) * 2
-    args = SimpleNamespace(advantage_estimator=estimator, n_samples_per_prompt=2, gamma=1.0, lambd=0.95)
+    args = SimpleNamespace(advantage_estimator=estimator, n_samples_per_prompt=2, gamma=1.0, lambd=0.95,
+                           policy_loss="ppo")
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
     values = torch.randn(mask.shape, generator=gen)
     return args, scores, kl_penalty(logprobs, ref_logprobs, "k1"), values, mask
@@ -532,7 +533,7 @@ def test_truncated_importance_weights_worked_by_hand():
     old = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
     vllm = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]])  # ratios 1, e, e^-0.5; the last is not a response token
     mask = torch.tensor([[1, 1, 1, 0]])
-    weights, capped = ppo_ray.rollout_correction("tis", old, vllm, mask, 0.5, 2.0)
+    weights, capped = ppo_ray.rollout_correction("tis", old, vllm, mask, 0.5, 2.0, (0.999, 1.001))
     torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, math.exp(-0.5), 0.0]]))
     assert capped.item() == pytest.approx(1 / 3)
 
@@ -590,24 +591,26 @@ def test_sapo_gates_softly_and_matches_ppos_gradient_on_policy():
 
 def test_rollout_corrections_worked_by_hand():
     """pi_old / pi_vllm of 0.4, 1 and 6, and a second response of ratios e^0.1 = 1.105: IcePop drops the tokens
-    outside [0.5, 5]; sequence-masked TIS with the band [0.8, 1.2] drops the first response whole (its geometric
-    mean is (0.4 x 6)^(1/3) = 1.34) and keeps the second's tokens, weighed by their ratio; TIS caps 6 at 2."""
+    outside [0.5, 5] and keeps the others' ratio; sequence-masked TIS with the sequence band [0.8, 1.2] drops the
+    first response whole (its geometric mean is (0.4 x 6)^(1/3) = 1.34) and keeps the second's tokens, weighed by
+    their ratio; TIS caps 6 at 2."""
     old = torch.log(torch.tensor([[0.4, 1.0, 6.0], [1.0, 1.0, 1.0]]))
     old[1] = 0.1
     vllm = torch.zeros_like(old)
     mask = torch.ones_like(old)
-    weights, masked = ppo_ray.rollout_correction("icepop", old, vllm, mask, 0.5, 5.0)
-    assert weights.tolist() == [[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]] and masked.item() == pytest.approx(2 / 6)
-    weights, masked = ppo_ray.rollout_correction("seq-mask-tis", old, vllm, mask, 0.8, 1.2)
+    weights, masked = ppo_ray.rollout_correction("icepop", old, vllm, mask, 0.5, 5.0, (0.999, 1.001))
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 1.0, 0.0], [math.exp(0.1)] * 3]))
+    assert masked.item() == pytest.approx(2 / 6)
+    weights, masked = ppo_ray.rollout_correction("seq-mask-tis", old, vllm, mask, 0.5, 2.0, (0.8, 1.2))
     torch.testing.assert_close(weights, torch.tensor([[0.0, 0.0, 0.0], [math.exp(0.1)] * 3]))
     assert masked.item() == pytest.approx(3 / 6)
-    weights, capped = ppo_ray.rollout_correction("tis", old, vllm, mask, 0.5, 2.0)
+    weights, capped = ppo_ray.rollout_correction("tis", old, vllm, mask, 0.5, 2.0, (0.8, 1.2))
     torch.testing.assert_close(weights[0], torch.tensor([0.4, 1.0, 2.0])) and capped.item() == pytest.approx(1 / 6)
 
 
 @pytest.mark.parametrize("flags,words", [
     ({"eps_clip_low": 1.0}, "clip range [1 - 1.0, 1 + 0.2] is empty"),
-    ({"policy_loss": "gspo"}, "gae's advantages differ token by token"),
+    ({"policy_loss": "gmpo"}, "gmpo takes one advantage per response and gae's advantages differ token by token"),
     ({"policy_loss": "sapo", "dual_clip": 3.0}, "leave it out with --policy_loss sapo"),
     ({"policy_loss": "sapo", "sapo_tau_neg": 0.0}, "must be above 0 (1.0 and 1.05 in its paper)"),
     ({"vllm_is_floor": 1.0}, "--vllm_is_floor 1.0 must be in (0, 1)"),
@@ -703,7 +706,9 @@ def toy_learning(estimator: str, steps: int = 30, **flags) -> tuple[float, float
     ("grpo", {"policy_loss": "cispo", "eps_clip_high": 4.0}), ("grpo", {"policy_loss": "gmpo", "eps_clip": 0.4}),
     ("grpo", {"policy_loss": "sapo"}), ("gae", {"policy_loss": "cispo"}), ("gae", {"policy_loss": "sapo"}),
     ("grpo", {"vllm_is_correction": True, "vllm_is_kind": "icepop"}),
-    ("grpo", {"vllm_is_correction": True, "vllm_is_kind": "seq-mask-tis"}),
+    # the toy sampler's 0.1-nat noise per token is far beyond a real vLLM's: a sequence band to match it
+    ("grpo", {"vllm_is_correction": True, "vllm_is_kind": "seq-mask-tis", "vllm_rs_threshold_lower": 0.9,
+              "vllm_rs_threshold": 1.1}),
 ])
 def test_each_estimator_and_loss_option_learns_a_toy_problem(estimator, flags):
     """The sign, the baseline and the aggregation of every estimator and loss option, on a toy problem: the

@@ -107,8 +107,14 @@ def test_ptx_rows_walk_the_whole_set_across_steps_and_ranks_and_resume(tiny_mode
     ({"loss_agg": "seq-mean-token-mean"}, {"agg": "seq-mean-token-mean"}),
     ({"advantage_estimator": "dr_grpo"}, {"agg": "seq-mean-token-sum-norm"}),
     ({"vllm_is_correction": True}, {"weighted": True}),
-    ({"policy_loss": "gspo"}, {"kind": "gspo"}),
-    ({"policy_loss": "sapo", "sapo_tau_pos": 0.5, "sapo_tau_neg": 2.0}, {"kind": "sapo", "sapo_tau": (0.5, 2.0)}),
+    # each --policy_loss named alone gets its paper's clip range and aggregation; a flag the user gives wins
+    ({"policy_loss": "gspo"}, {"kind": "gspo", "clip": (3e-4, 4e-4), "agg": "seq-mean-token-mean"}),
+    ({"policy_loss": "gspo", "eps_clip": 0.1, "loss_agg": "token-mean"}, {"kind": "gspo", "clip": (0.1, 0.1)}),
+    ({"policy_loss": "gmpo"}, {"kind": "gmpo", "clip": (0.4, 0.4), "agg": "seq-mean-token-mean"}),
+    ({"policy_loss": "cispo"}, {"kind": "cispo", "clip": (0.2, 4.0)}),
+    ({"policy_loss": "sapo", "sapo_tau_pos": 0.5, "sapo_tau_neg": 2.0},
+     {"kind": "sapo", "sapo_tau": (0.5, 2.0), "agg": "seq-mean-token-mean"}),
+    ({"off_policy_seq_mask": 0.5}, {"weighted": True}),
 ])
 def test_the_actor_update_hands_each_loss_option_to_the_loss(tiny_model, monkeypatch, flags, handed):
     """Each flag of the clipped objective reaches policy_loss from ActorWorker.fit. The loss's own tests (worked by
