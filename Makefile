@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-real test test-fast test-extended test-real mutation demo demo-real gpu-smoke gpu-trainers wheelhouse bench lint clean
+.PHONY: setup setup-real test test-fast test-extended test-families test-real mutation demo demo-real gpu-smoke gpu-trainers wheelhouse bench lint clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ test-extended: setup
 # estimators, one at a time, each against the fast tests of its file (tests/mutation.py; ~15 minutes on 2 cores).
 mutation: setup
 	$(PY) tests/mutation.py
+
+# Every causal-LM family transformers ships, tried with vLLM (one engine each, a sync, log-probs against
+# transformers'): rewrites tests/model_families.json and docs/models.md's table; about an hour on 2 quiet cores.
+test-families: setup
+	$(PY) tests/model_family_table.py --out .cache/families
 
 # The real-model tier: the scripts a few steps on SmolLM2-135M-Instruct (common/real_model.py builds it once into
 # .cache/, ~30 s) and demo-real's GRPO whole, 11 minutes on 2 quiet cores; `make test` leaves it out (pytest.ini

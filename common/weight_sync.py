@@ -411,8 +411,9 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
 
     Runs on trainer rank 0. The names must be the checkpoint's (iter_gathered_params gives them): one the engines'
     checkpoint does not hold stops the sync with an error, since vLLM's loaders reject such a name or, worse, skip
-    it and keep the old weight. `complete=False` says that only some layers are sent (LoRA's merged layers): vLLM
-    keeps the others without a warning for each. Each tensor is copied into the bucket as soon as it arrives, so
+    it and keep the old weight. A layer that a complete sync leaves with its old weights in vLLM raises StaleLayers.
+    `complete=False` says that only some layers are sent (LoRA's merged layers): vLLM keeps the others without a
+    warning for each. Each tensor is copied into the bucket as soon as it arrives, so
     `named_params` may free it right after (as `iter_gathered_params` does). A tensor larger than `bucket_bytes`
     travels alone. Returns
     counts and times, e.g. {"weight_sync/buckets": 3, "weight_sync/tensors": 21, "weight_sync/seconds": 0.4, ...};
@@ -447,7 +448,10 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
         send(flat, meta)
         stats["weight_sync/tensors"] += len(meta)
     wait_loads(in_flight)
-    wait_loads([engine.finish_weight_update.remote(complete) for engine in engines])
+    try:
+        wait_loads([engine.finish_weight_update.remote(complete) for engine in engines])
+    except StaleLayers as error:  # the engine's sentence, without Ray's traceback around it
+        raise StaleLayers(str(getattr(error, "cause", error))) from None
     if sync.local == "ipc":
         torch.cuda.ipc_collect()  # free the buckets' memory, which the workers have let go of
     stats["weight_sync/seconds"] = time.perf_counter() - start_time
@@ -519,6 +523,7 @@ class WeightSyncWorkerExtension:
         self._weight_sync_group = None if rank is None else new_process_group(master_address, master_port, rank,
                                                                               world_size, backend)
         self._weight_reload_open = False
+        self._weight_sync_bypassed = {}
         repack_cpu_experts_on_reload(self.model_runner.get_model())
         self._weight_sync_buffers = {}  # bucket index in a sync -> its CPU receive buffer, kept for the next sync
         self._weight_sync_bucket = 0  # index of the next bucket in this sync
@@ -566,13 +571,18 @@ class WeightSyncWorkerExtension:
             if not self._weight_reload_open:
                 initialize_layerwise_reload(model)
                 self._weight_reload_open = True
-            model.load_weights(weights=iter(tensors))
+                self._weight_sync_bypassed = {}  # layer -> the tensors its loader copied past the reload (see below)
+            load_noting_bypasses(model, tensors, self._weight_sync_bypassed)
         return time.perf_counter() - start
 
     def weight_sync_finish(self, complete: bool = True) -> float:
-        """Close the reload the buckets opened: process layers still pending and drop state built on old weights;
-        returns the seconds it took. After a sync of some layers only (`complete=False`, LoRA's), vLLM's warning
-        "Failed to load weights" for every layer it keeps as it was is silenced: that is the intent there."""
+        """Close the reload the buckets opened: land the layers whose loader copied past the reload, process layers
+        still pending and drop state built on old weights; returns the seconds it took.
+
+        A complete sync that leaves a layer with its old weights (vLLM's "Failed to load weights") raises
+        StaleLayers, after closing the reload, so the engine keeps a consistent model and the run stops. After a sync
+        of some layers only (`complete=False`, LoRA's) the layers not sent keep their weights by intent, and vLLM's
+        warning for each is silenced; a layer that was sent lands all the same (land_bypassed_layers)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -585,15 +595,92 @@ class WeightSyncWorkerExtension:
         reload_log.setLevel(level if complete else logging.ERROR)
         try:
             with set_current_vllm_config(self.vllm_config):
+                land_bypassed_layers(model, self._weight_sync_bypassed)
+                stale = unloaded_layers(model) if complete else []
                 finalize_layerwise_reload(model, self.model_config)
                 reprocess_tied_layers(model)
         finally:
             reload_log.setLevel(level)
+            self._weight_sync_bypassed = {}
         self._weight_reload_open = False
+        if stale:
+            raise StaleLayers(f"the weight sync left {len(stale)} layer(s) of this "
+                              f"{'/'.join(self.model_config.architectures)} with their old weights in vLLM "
+                              f"({', '.join(stale[:4])}{', ...' if len(stale) > 4 else ''}): vLLM would sample from "
+                              f"another policy than the trainer's; send every tensor of the checkpoint, or report "
+                              f"the family as one this sync does not support.")
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
         return time.perf_counter() - start
+
+
+class StaleLayers(RuntimeError):
+    """A weight sync left layers of a vLLM engine with their old weights."""
+
+
+def load_noting_bypasses(model, tensors: list[tuple[str, torch.Tensor]], bypassed: dict) -> None:
+    """Load `tensors` into `model` during vLLM's layerwise reload, one at a time, and keep in `bypassed` (layer ->
+    [(name, tensor)]) those that no weight loader took.
+
+    The reload moves each layer's tensors to the meta device and counts what the layer's weight loaders receive. Some
+    model loaders copy a tensor straight into the parameter instead (gpt-oss: its experts, their biases and the
+    attention sinks, `param.copy_`): on a meta tensor that copy does nothing, the layer counts nothing, and vLLM puts
+    its old tensors back with a warning ("Failed to load weights"). Such a tensor is seen here as one whose target
+    layer still waits with nothing received; land_bypassed_layers loads it once the layer is real again.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for name, tensor in tensors:
+        for target in model.load_weights(weights=iter([(name, tensor)])) or ():
+            try:
+                layer = model.get_submodule(target.rpartition(".")[0])
+            except AttributeError:  # a loader that reports a name of its own; unloaded_layers is the safety net
+                continue
+            info = LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load() and info.load_numel == 0:
+                bypassed.setdefault(layer, []).append((name, tensor))
+
+
+def land_bypassed_layers(model, bypassed: dict) -> int:
+    """Load each layer of `bypassed` (load_noting_bypasses) directly: make its tensors real, run the model's loader
+    on its tensors again, then let vLLM finish the layer as for any other (its weight loaders' share, its
+    post-processing, e.g. the CPU experts' packing, and the copy into the storage the kernels hold). Returns how many
+    layers were landed."""
+    from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+    for layer, tensors in bypassed.items():
+        info = get_layerwise_info(layer)
+        materialize_layer(layer, info)  # the layer's tensors, real and empty, in the checkpoint's layout
+        model.load_weights(weights=iter(tensors))
+        _layerwise_process(layer, info)  # materializes only what is still on meta, so the copies above stay
+    return len(bypassed)
+
+
+def unloaded_layers(model) -> list[str]:
+    """Names of the layers that hold parameters a reload gave nothing, which vLLM is about to put back as they were:
+    after a complete sync each is a layer vLLM would sample with stale weights. A layer whose parameter another
+    layer shares (tied embeddings' lm_head) is left out: reprocess_tied_layers rebuilds it."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        for tensor in (info.kernel_tensors[0].values() if info is not None and info.kernel_tensors else ()):
+            owners[id(tensor)] = owners.get(id(tensor), 0) + 1
+    stale = []
+    for name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        if (info is None or not info.can_load() or info.load_numel > 0 or not info.kernel_tensors
+                or is_deferred_attention_layer(module)):  # vLLM rebuilds attention layers from their scales
+            continue
+        params = {n: p for n, p in info.kernel_tensors[0].items() if n not in SKIP_LOAD_TENSORS}
+        if params and all(owners[id(p)] == 1 for p in params.values()):
+            stale.append(name or type(module).__name__)
+    return stale
 
 
 def repack_cpu_experts_on_reload(model) -> int:

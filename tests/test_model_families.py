@@ -18,8 +18,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from common.args import UserError
+from common.vllm_engine import check_engine_runs
 from common.weight_sync import (WeightSyncGroup, broadcast_weights_to_vllm, iter_gathered_params, loadable_names,
                                 unknown_to_checkpoint)
+from tests.model_family_table import DOCS, causal_lm_families, load_table, markdown_table, tiny_config
 from tests.try_model_families import FAMILIES, MOE, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,3 +96,66 @@ def test_engines_sample_from_the_trainers_weights_after_a_sync(tmp_path):
         if family in MOE:  # NaN (a fused layer loaded half-way) fails `<=` too
             assert not result["skipped_expert_diff"] <= 100 * ROUNDING_LEVEL, family
 
+
+
+def test_every_causal_lm_family_transformers_ships_is_in_the_table():
+    """docs/models.md's table lists every causal LM of the transformers installed, as the data file has it: a family
+    added by a transformers upgrade fails here until `make test-families` has tried it."""
+    table = load_table()
+    missing = sorted(set(causal_lm_families()) - set(table))
+    assert not missing, f"families transformers ships that the table lacks (run make test-families): {missing}"
+    with open(DOCS) as f:
+        assert markdown_table(table) in f.read(), "docs/models.md's table is not the data file's (run --docs)"
+
+
+def family_config(tmp_path, family: str, **changes) -> str:
+    """A folder holding only the tiny config.json of `family`, as check_engine_runs reads it before any engine."""
+    from common.tiny_model import build_tokenizer
+
+    config = tiny_config(family, build_tokenizer())
+    config.architectures = [causal_lm_families()[family]]
+    for key, value in changes.items():
+        setattr(config, key, value)
+    config.save_pretrained(tmp_path / family)
+    return str(tmp_path / family)
+
+
+def test_an_architecture_vllm_spells_otherwise_is_resolved_and_an_unknown_one_refused(tmp_path):
+    """transformers writes PhimoeForCausalLM where vLLM registers PhiMoEForCausalLM: the engine is told vLLM's
+    spelling. One vLLM does not register at all is one sentence naming it and the vLLM version, on GPUs too."""
+    import vllm
+
+    assert check_engine_runs(family_config(tmp_path, "phimoe"), use_gpu=False) == {
+        "hf_overrides": {"architectures": ["PhiMoEForCausalLM"]}}
+    assert check_engine_runs(family_config(tmp_path, "llama"), use_gpu=False) == {}
+    for use_gpu in (False, True):
+        with pytest.raises(UserError, match=rf"is a BioGptForCausalLM, an architecture vLLM {vllm.__version__} "
+                                            r"does not run"):
+            check_engine_runs(family_config(tmp_path, "biogpt"), use_gpu=use_gpu)
+
+
+def test_state_space_layers_are_found_from_the_models_own_config(tmp_path):
+    """vLLM 0.32 no longer registers Bamba, so its registry says nothing of Bamba's Mamba layers: the config does
+    (Mamba settings, or a recurrent kind in its layer kinds), and on CPU the sentence comes before any engine."""
+    with pytest.raises(UserError, match=r"is a BambaForCausalLM, whose state-space \(recurrent\) layers vLLM runs on "
+                                        r"GPUs only"):
+        check_engine_runs(family_config(tmp_path, "bamba"), use_gpu=False)
+    with pytest.raises(UserError, match="an architecture vLLM .* does not run"):  # on GPUs: not registered
+        check_engine_runs(family_config(tmp_path, "bamba"), use_gpu=True)
+    with pytest.raises(UserError, match="state-space"):  # vLLM's registry knows Qwen3-Next's linear attention too
+        check_engine_runs(family_config(tmp_path, "qwen3_next"), use_gpu=False)
+
+
+@pytest.mark.slow
+def test_the_families_the_sync_fix_touched_sync_and_start_or_are_refused(tmp_path):
+    """The walk of tests/model_family_table.py on the families this work touched: gpt-oss, whose loader copies its
+    experts and attention sinks past the reload, now lands every tensor (vLLM kept its old experts, 5e-2 off);
+    PhiMoE starts under vLLM's own class (it died in vLLM's Transformers backend); Bamba is refused in a sentence."""
+    data = tmp_path / "families.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "model_family_table.py"), "--out", str(tmp_path),
+                    "--data", str(data), "--families", "gpt_oss", "phimoe", "bamba"], cwd=ROOT, check=True)
+    table = json.loads(data.read_text())
+    assert table["gpt_oss"]["status"] == "runs", table["gpt_oss"]
+    assert table["gpt_oss"]["after_sync"] <= ROUNDING_LEVEL
+    assert table["phimoe"]["status"] != "engine failed", table["phimoe"]
+    assert table["bamba"]["status"] == "refused" and "state-space" in table["bamba"]["reason"]

@@ -24,7 +24,7 @@ from common.args import UserError, exit_if_distributed
 from common.net import free_port
 from common.tiny_model import write_tiny_model
 from common.vllm_engine import SleepSchedule, create_vllm_engines, shutdown_engines
-from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
+from common.weight_sync import StaleLayers, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
 pytestmark = pytest.mark.slow
 
@@ -144,13 +144,15 @@ def test_logprobs_stay_at_rounding_level_over_many_syncs(stack):
     assert max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer, sync after sync: {diffs}"
 
 
-def test_logprob_diff_catches_a_tensor_the_sync_skipped(stack):
-    """The check above would catch a stale tensor: leave one matrix out of a sync and the metric leaves float
-    rounding far behind."""
+def test_a_layer_the_sync_skipped_stops_it_and_the_metric_sees_it(stack):
+    """A complete sync that leaves one matrix out stops in one sentence naming the layer that vLLM kept as it was;
+    the engine keeps the old matrix, which the metric sees, and the next full sync puts it right."""
     engine, group, prompts = stack["engines"][0], stack["group"], stack["prompts"]
     model = trained_model(stack["path"], steps=20, seed=5)
     skipped = "model.layers.0.mlp.down_proj.weight"
-    broadcast_weights_to_vllm(((n, t) for n, t in iter_gathered_params(model) if n != skipped), [engine], group)
+    with pytest.raises(StaleLayers, match=r"^the weight sync left 1 layer\(s\) of this \w+ with their old weights "
+                                          r"in vLLM \(model\.layers\.0\.mlp\.down_proj\)"):
+        broadcast_weights_to_vllm(((n, t) for n, t in iter_gathered_params(model) if n != skipped), [engine], group)
     assert logprob_diff(engine, prompts, model) > 10 * ROUNDING_LEVEL
     broadcast_weights_to_vllm(iter_gathered_params(model), [engine], group)
     assert logprob_diff(engine, prompts, model) < ROUNDING_LEVEL
