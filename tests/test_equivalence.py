@@ -5,7 +5,8 @@ Each comparison reads two ppo_ray.py runs' metrics.jsonl step by step and their 
 tolerance of 0 means bit for bit; the others are about 10x the float rounding measured on a 2-core CPU (given beside
 each), and each equality was broken on purpose once to see its test fail (docs/equivalence.md says how). Every run
 samples its rollouts with per-prompt seeds (`sample_seeds` in common/rollout.py): a resumed run samples what the
-uninterrupted one did, and layouts that differ by rounding sample the same tokens unless rounding moves a probability across a draw.
+uninterrupted one did, and layouts that differ by rounding sample the same tokens unless rounding moves a probability
+across a draw.
 
 A ppo_ray.py run costs about a minute here, most of it starting vLLM and the workers, so the runs are tiny (two
 steps of 32 responses of 8 tokens) and in the extended tier (`make test-extended`); the default tier checks the
