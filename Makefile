@@ -35,7 +35,7 @@ test-extended: setup
 	$(PY) -m pytest -q -m extended
 
 # The tests of the objectives checked by breaking them: 55 deliberate mistakes in the losses, corrections and
-# estimators, one at a time, each against the fast tests of its file (tests/mutation.py; ~15 minutes on 2 cores).
+# estimators, one at a time, each against the fast tests of its file (tests/mutation.py; ~5 minutes on 2 busy cores).
 mutation: setup
 	$(PY) tests/mutation.py
 

@@ -229,7 +229,7 @@ def preference_losses(args, chosen_logps, rejected_logps, ref_logps, lengths):
 
 def nll_term(args, chosen_logps: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
     """The chosen responses' NLL per token, chosen_logps (pairs,) summed over `chosen_tokens` tokens, weighed by
-    --nll_loss_coef, or by 1 under ORPO, whose objective L_SFT + lambda L_OR holds it (Hong et al. 2024, eq. 6)."""
+    --nll_loss_coef, or by 1 under ORPO, whose objective L_SFT + lambda L_OR holds it (Hong et al. 2024)."""
     coef = 1.0 if args.loss_type == "orpo" else args.nll_loss_coef
     return coef * -chosen_logps.sum() / chosen_tokens.clamp(min=1)
 

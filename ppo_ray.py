@@ -67,9 +67,9 @@ class Args:
     eps_clip: float | None = None
     """the policy ratio's clip range [1 - eps_clip, 1 + eps_clip] (default 0.2; gspo 3e-4/4e-4, gmpo 0.4, cispo 4)"""
     eps_clip_low: float | None = None
-    """the lower clip range alone, 1 - eps_clip_low (default: --eps_clip)"""
+    """the lower clip range alone, 1 - eps_clip_low (default: --eps_clip, or the --policy_loss's paper's)"""
     eps_clip_high: float | None = None
-    """the upper clip range alone, 1 + eps_clip_high (default: --eps_clip); DAPO's clip-higher raises it to 0.28"""
+    """the upper clip range alone, 1 + eps_clip_high (default: as --eps_clip_low); DAPO's clip-higher: 0.28"""
     dual_clip: float | None = None
     """dual-clip PPO: a token with a negative advantage loses at most dual_clip x its advantage (> 1, e.g. 3)"""
     value_clip: float = 0.2
@@ -319,7 +319,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, d
              is DAPO's clip-higher (Yu et al. 2025); dual_clip = c > 1 bounds J_t below by c A_t where A_t < 0
              (Ye et al. 2020)
       gspo:  PPO's clip on the response's ratio s = exp(mean_t log r_t) with each token's advantage, GSPO-token:
-             sg(s) r_t / sg(r_t), whose gradient is the sequence objective's (Zheng et al. 2025, eqs. 5-10, 13-17)
+             sg(s) r_t / sg(r_t); with one advantage a response, the sequence objective (Zheng et al. 2025, eqs. 5-10)
       cispo: sg(min(r_t, 1 + clip_high)) A_t log pi(a_t): the weight is clipped, never the token's gradient
              (MiniMax-M1, 2025, eq. 4)
       gmpo:  the geometric mean of the tokens' clipped objectives, A exp(mean_t sgn(A) min(sgn(A) log r_t,
@@ -384,7 +384,7 @@ def rollout_correction(kind, old_logprobs, vllm_logprobs, mask, low, high, seq_b
 
       tis:          min(pi_old / pi_vllm, high) (truncated IS, Yao et al. 2025)
       icepop:       pi_old / pi_vllm where it is in [low, high], else 0: such tokens leave the loss (IcePop, Ling
-                    team 2025, "Every Step Evolves", eq. 3)
+                    team 2025, "Every Step Evolves")
       seq-mask-tis: tis, and a response whose ratio exp(mean_t log(pi_old / pi_vllm)) leaves `seq_band` is left
                     out whole (verl's geometric rejection sampling, a band of its own)
     """

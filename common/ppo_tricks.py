@@ -200,8 +200,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str,
     - "k2": 0.5 * log_ratio^2. Biased, low variance, never negative.
     - "k3": exp(-log_ratio) - 1 + log_ratio. Unbiased, low variance, never negative (r - 1 - log r >= 0 for r > 0).
     - "k3-unbiased": k3 x pi / pi_old, pi_old = exp(old_logprobs), the policy that sampled the tokens (DeepSeek-V3.2,
-      2025, eq. 8). k3 is unbiased only for tokens the current policy sampled; in a loss after an update they came
-      from pi_old, and the ratio (with its gradient) reweighs them to pi. Without `old_logprobs` the ratio is 1.
+      2025, "Unbiased KL Estimate"). k3 is unbiased only for tokens the current policy sampled; in a loss after an
+      update they came from pi_old, and the ratio (with its gradient) reweighs them to pi. Without `old_logprobs` the
+      ratio is 1.
     With a `mask`, the estimate is 0 outside it: k3's exp of whatever padding holds could overflow, and a masked-out
     inf still makes the gradient NaN. Every log-ratio is clamped to +-MAX_LOG_RATIO.
     """
@@ -228,7 +229,8 @@ def kl_loss_estimator(args) -> str:
 
 def off_policy_sequence_mask(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
                              mask: torch.Tensor, delta: float | None, weights: torch.Tensor | None = None):
-    """DeepSeek-V3.2's off-policy sequence masking (2025, eq. 9), all (batch, seq): the token weights times
+    """DeepSeek-V3.2's off-policy sequence masking (2025, "Off-Policy Sequence Masking"), all (batch, seq): the
+    token weights times
 
         M_t = 0 where A_t < 0 and (1 / |o|) sum_t log(pi_sampler(o_t) / pi(o_t)) > delta, else 1,
 
