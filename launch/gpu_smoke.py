@@ -20,8 +20,8 @@ the check on the real thing, a few minutes on a tiny model and the synthetic tas
 
 A stage passes when its command exits with 0 and, for a PPO stage, when vLLM sampled from the trainer's weights after
 every sync: `vllm/logprob_diff` (mean |vLLM's log-prob - the trainer's| over the sampled tokens, which ppo_ray.py logs
-on-policy too) may exceed step 1's, where both sides loaded the same checkpoint from disk, by no more than
-SYNC_SLACK (check_sync). A sync that loads nothing leaves the engines one update behind, and the smoke's learning
+on-policy too) may be at most twice step 1's, where both sides loaded the same checkpoint from disk, plus SYNC_SLACK
+(check_sync). A sync that loads nothing leaves the engines one update behind, and the smoke's learning
 rate makes that update show (tests/test_ppo.py checks the check on CPU runs, stale engines included). ppo_async
 samples from the policy one update old by design: its differences are printed, not checked (its sync is the ppo
 stage's NCCL path, checked there). Then one table: each stage's
@@ -51,8 +51,9 @@ DEEPSPEED_1 = [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "1"]  # what
 
 # Stages that place roles on separate GPUs; every other stage runs on one.
 NEEDS_GPUS = {"ppo": 2, "ppo_tp2": 2, "ppo_async": 2}
-# How far past step 1's log-prob difference (the two implementations' rounding on one checkpoint) a step after a sync
-# may go. On CPU in fp32 a right sync stays at ~1e-6 and engines one update behind (at lr 3e-4) measured above 1e-3.
+# How far past twice step 1's log-prob difference (the two implementations' rounding on one checkpoint) a step after a
+# sync may go. On CPU in fp32 a right sync stays at ~1e-6, and engines one update behind (tests/test_ppo.py's async run,
+# lr 3e-4) above 1e-3. Not yet measured on a GPU, where bf16 rounding sets step 1's value.
 SYNC_SLACK = 1e-3
 STALE_BY_DESIGN = {"ppo_async"}  # rollouts from step 2 on come from the policy one update old
 
@@ -116,7 +117,7 @@ def skipped(gpus: int, flash_attn: bool) -> list[str]:
 
 def check_sync(stage: str, rows: list[dict]) -> str | None:
     """Why a PPO stage's engines did not sample from the trainer's weights after a sync, from its metrics.jsonl rows;
-    None when they did (every step's vllm/logprob_diff within SYNC_SLACK of step 1's)."""
+    None when they did (every step's vllm/logprob_diff at most twice step 1's plus SYNC_SLACK)."""
     diffs = [row["vllm/logprob_diff"] for row in rows if "vllm/logprob_diff" in row]
     if not diffs:
         return "no step logged vllm/logprob_diff"
@@ -145,9 +146,17 @@ def planned_gib(cmd: list[str], gpu_gib: float) -> float | None:
     return max(sum(memory_plan.gpu_bytes(need) for need in roles.values()) for _, roles in groups.values()) / 2**30
 
 
+def gpu_memory_mib(field: str) -> list[float]:
+    """nvidia-smi's `field` (memory.used, memory.total) of every GPU, in MiB: read without a CUDA context of this
+    process's own, which would hold memory on GPU 0 through every stage."""
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"], capture_output=True,
+                         text=True).stdout
+    return [float(v) for v in out.split()]
+
+
 class PeakMemory:
-    """The most memory any GPU held while the block ran, in GiB, from nvidia-smi every half second (this process
-    opens no CUDA context of its own, which would take memory from the stage)."""
+    """The most memory any GPU held while the block ran, in GiB, from nvidia-smi every half second (every process on
+    the GPU counts: run the smoke on GPUs of its own)."""
 
     def __enter__(self):
         self.peak, self.done = 0.0, threading.Event()
@@ -157,9 +166,7 @@ class PeakMemory:
 
     def _poll(self):
         while not self.done.wait(0.5):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True).stdout
-            self.peak = max([self.peak] + [float(v) / 1024 for v in out.split()])  # MiB
+            self.peak = max([self.peak] + [used / 1024 for used in gpu_memory_mib("memory.used")])
 
     def __exit__(self, *exc):
         self.done.set()
@@ -206,7 +213,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("error: make gpu-smoke checks the CUDA paths and this machine has no CUDA GPU; on CPU run make demo.")
     gpus = torch.cuda.device_count()
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    gpu_gib = min(gpu_memory_mib("memory.total")) / 1024
     shutil.rmtree(args.out, ignore_errors=True)
     os.makedirs(args.out)
     flash_attn = importlib.util.find_spec("flash_attn") is not None

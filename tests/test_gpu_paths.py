@@ -10,6 +10,7 @@
 - `make gpu-smoke`'s stages use flags the scripts take, together.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch
 from conftest import ROOT
 
 import ppo_ray
-from common import deepspeed_utils, placement
+from common import deepspeed_utils, memory_plan, placement
 from common.model_worker import train_or_eval_config
 
 
@@ -277,16 +278,23 @@ def test_gpu_smoke_ppo_stages_pass_ppo_ray_s_flag_checks(tmp_path):
     from common.args import parse_args
 
     out = tmp_path / "smoke"
+    tiny = {"max_position_embeddings": 2048, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384}
     for folder, model_type in (("sft", "llama"), ("rm", "llama"), ("base_moe", "mixtral")):
         (out / folder).mkdir(parents=True)
-        (out / folder / "config.json").write_text(f'{{"model_type": "{model_type}", "max_position_embeddings": 2048}}')
+        (out / folder / "config.json").write_text(json.dumps({"model_type": model_type, **tiny}))
     (out / "task").mkdir()
     (out / "task" / "prompts_train.jsonl").write_text('{"prompt": "1 + 1"}\n')
     for stage, cmd in gpu_smoke.commands(str(out), 2, True):
         if "ppo_ray.py" not in cmd:
+            assert gpu_smoke.planned_gib(cmd, 80) is None, stage
             continue
         args = parse_args(ppo_ray.Args, cmd[cmd.index("ppo_ray.py") + 1:])
         ppo_ray.check_args(args)
+        # the table's plan column: the busiest GPU of the plan, for this GPU's memory
+        busiest = max(sum(memory_plan.gpu_bytes(need) for need in roles.values())
+                      for _, roles in memory_plan.plan(args).values())
+        assert gpu_smoke.planned_gib(cmd, args.gpu_memory_gib) == busiest / 2**30 > 0, stage
         assert not args.colocate_all or args.vllm_num_engines * args.vllm_tensor_parallel_size == \
             args.actor_num_workers, stage
         assert args.vllm_tensor_parallel_size == (2 if stage == "ppo_tp2" else 1)
