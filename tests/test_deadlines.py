@@ -316,6 +316,7 @@ def test_ppo_ray_hung_in_its_reward_refuses_a_second_start_and_stops_in_one_sent
     hang_in_the_reward_and_start_again(tiny_model, task, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.extended
 def test_ppo_ray_hung_in_its_reward_resumes_once_the_judge_answers(tiny_model, task, tmp_path):
     """The same command, once the judge answers again, resumes at step 1 and finishes."""
