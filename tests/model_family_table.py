@@ -51,7 +51,8 @@ TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "n
         "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 128, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
         # state-space layers
-        "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_ssm": 256, "mamba_dt_rank": 8, "ssm_state_size": 8}
+        "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_ssm": 256, "mamba_dt_rank": 8,
+        "ssm_state_size": 8}
 # What a family needs besides TINY, and why.
 FAMILY_SETTINGS = {
     # vLLM's gpt-oss reads yarn's scaling factor; the config's default window exceeds the tiny context
@@ -211,7 +212,7 @@ def check_family(family: str, out: str) -> dict:
         synced = scored(engine, sequences, lengths)
         row["after_sync"] = mean_diff(synced, hf_scored(model, sequences, lengths))
         engine.shutdown()
-        if row["after_sync"] <= max(ROUNDING_LEVEL, 2 * row["engine_vs_hf"]):  # NaN goes on
+        if row["after_sync"] <= ROUNDING_LEVEL:
             return {**row, "status": "runs"}
         stage = "fresh engine"
         model.save_pretrained(path)
