@@ -242,6 +242,7 @@ def family_main(family: str, out: str, result: str) -> None:
     row = check_family(family, out)
     with open(result, "w") as f:
         json.dump(row, f)
+    ray.shutdown()  # its daemons outlive a process that exits without it
     os._exit(0)  # an engine's threads may outlive shutdown; the row is written
 
 
