@@ -49,7 +49,7 @@ from common.ppo_checks import check_args, check_tokenizers
 from common.ppo_tricks import clip_range, uses_reference  # one predicate for this script and the memory plan
 from common.ray_workers import WorkerDied, gather, shard, use_gpus
 from common.rollout import Rollouts, env_factory, generated_tokens, sync_weights
-from common.vllm_engine import EngineDied, shutdown_engines
+from common.vllm_engine import EngineDied, engine_dtype, engine_gap_line, shutdown_engines
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -748,6 +748,8 @@ def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_p
                 metrics.update(evaluate(args, cluster, rollouts, tokenizer, reward_fn, eval_prompts))
             metrics["time/step"] = time.perf_counter() - step_start  # all of it: the phases and the driver's share
             logger.log(step + 1, metrics)
+            if not state and step == 0:  # the engines still hold the weights the trainer loaded
+                print(engine_gap_line(float(metrics["vllm/logprob_diff"]), engine_dtype(args)), flush=True)
             bar.update(1)
             bar.set_postfix(score=f"{float(metrics['objective/scores']):.3f}",
                             kl=f"{float(metrics['objective/kl']):.4f}")

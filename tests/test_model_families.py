@@ -161,3 +161,17 @@ def test_the_families_the_sync_fix_touched_sync_and_start_or_are_refused(tmp_pat
     assert table["gpt_oss"]["after_sync"] <= ROUNDING_LEVEL
     assert table["phimoe"]["status"] != "engine failed", table["phimoe"]
     assert table["bamba"]["status"] == "refused" and "state-space" in table["bamba"]["reason"]
+
+
+def test_the_first_steps_gap_is_told_apart_from_rounding():
+    """ppo_ray.py's first step prints its vllm/logprob_diff, taken before any sync: in float32 at rounding level it
+    says so; above it (DeepSeek's MLA kernel on CPU: 1.7e-3) it names the engine, not the sync, and the IS
+    correction; in bfloat16, whose rounding no bound here covers, it gives the number without a verdict."""
+    from common.vllm_engine import FLOAT32_ROUNDING, engine_gap_line
+
+    assert "float rounding" in engine_gap_line(4e-7, "float32")
+    above = engine_gap_line(1.7e-3, "float32")
+    assert "1.70e-03" in above and "otherwise than transformers" in above and "--vllm_is_correction" in above
+    assert "otherwise" not in engine_gap_line(FLOAT32_ROUNDING, "float32")
+    bf16 = engine_gap_line(1.7e-3, "bfloat16")
+    assert "(bfloat16)" in bf16 and "rounding" not in bf16 and "otherwise" not in bf16
