@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -76,6 +77,18 @@ FAMILY_SETTINGS = {
     "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
     # the config's default rotary_dim (64) is GPT-J-6B's, above a tiny head of 32; GPT-J rotates a quarter of a head
     "gptj": {"rotary_dim": 8},
+    # MiniMax-M2's checkpoints give partial rotary as rotary_dim (half a head in MiniMax-M2) and its routing
+    # (transformers' only one: sigmoid with a correction bias), which vLLM reads
+    "minimax_m2": {"rotary_dim": 16, "scoring_func": "sigmoid", "use_routing_bias": True},
+    # transformers derives the key/value heads from multi_query (1), but TINY's 2 would be saved and read by vLLM
+    "gpt_bigcode": {"num_key_value_heads": 1},
+    # Llama 4 sends each token to one expert, the only routing vLLM's Llama 4 implements
+    **{family: {"num_experts_per_tok": 1} for family in ("llama4", "llama4_text")},
+    # transformers' MLA wants as many key/value heads as heads; LongCat's feed-forward defaults are the real model's,
+    # and vLLM reads the LoRA scaling of its MLA, which transformers always applies, from config.json
+    "minicpm3": {"num_key_value_heads": 4},
+    "longcat_flash": {**MLA, "q_lora_rank": 64, "ffn_hidden_size": 256, "expert_ffn_hidden_size": 64,
+                      "mla_scale_q_lora": True, "mla_scale_kv_lora": True},
 }
 PROMPTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9."]
 
@@ -93,11 +106,13 @@ def tiny_config(family: str, tokenizer):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(family)
-    known = set(default.to_dict()) | set(inspect.signature(type(default).__init__).parameters)
+    wrapper = hasattr(default, "text_config") and not hasattr(default, "hidden_size")  # of a text model (Llama 4)
+    sized = default.text_config if wrapper else default  # the sizes are the text model's
+    known = set(sized.to_dict()) | set(inspect.signature(type(sized).__init__).parameters)
     settings = {key: value for key, value in TINY.items() if key in known}
     settings.update(FAMILY_SETTINGS.get(family, {}))
-    if hasattr(default, "text_config") and not hasattr(default, "hidden_size"):  # a wrapper of a text model
-        settings = {"text_config": {**default.text_config.to_dict(), **settings}}
+    if wrapper:
+        settings = {"text_config": {"model_type": sized.model_type, **settings}}
     return AutoConfig.for_model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                 **settings)
@@ -254,8 +269,12 @@ def check_family(family: str, out: str) -> dict:
 
 
 def one_line(error: BaseException) -> str:
-    """An error as one short line for the table."""
-    text = " ".join(str(error).split()) or type(error).__name__
+    """An error as one short line for the table; a bare `assert` is shown with its line."""
+    text = " ".join(str(error).split())
+    if not text and error.__traceback__ is not None:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        text = f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
+    text = text or type(error).__name__
     return f"{type(error).__name__}: {text}"[:200]
 
 
