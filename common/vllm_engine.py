@@ -342,7 +342,10 @@ RECURRENT_LAYER_KINDS = ("mamba", "linear_attention", "conv", "ssm", "recurrent"
 def recurrent_layers_in_config(config: dict) -> bool:
     """Whether a model's own config.json describes state-space or other recurrent layers: a recurrent kind in its
     list of layer kinds, or Mamba settings (mamba_*, ssm_state_size). Read from the config and not only from vLLM's
-    registry, which forgets families (vLLM 0.32 dropped Bamba, whose engine then died in its Transformers backend)."""
+    registry, which forgets families (vLLM 0.32 dropped Bamba, whose engine then died in its Transformers backend).
+    A model that wraps a text model (Qwen3.5) describes its layers in its text_config."""
+    if isinstance(config.get("text_config"), dict) and recurrent_layers_in_config(config["text_config"]):
+        return True
     kinds = [*(config.get("layer_types") or []), *(config.get("layers_block_type") or [])]
     return (any(word in str(kind).lower() for kind in kinds for word in RECURRENT_LAYER_KINDS)
             or any(key.startswith("mamba_") or key == "ssm_state_size" for key in config))

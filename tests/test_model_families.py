@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common.args import UserError
-from common.vllm_engine import check_engine_runs
+from common.vllm_engine import check_engine_runs, recurrent_layers_in_config
 from common.weight_sync import (WeightSyncGroup, broadcast_weights_to_vllm, iter_gathered_params, loadable_names,
                                 unknown_to_checkpoint)
 from tests.model_family_table import DOCS, causal_lm_families, load_table, markdown_table, tiny_config
@@ -146,6 +146,16 @@ def test_state_space_layers_are_found_from_the_models_own_config(tmp_path):
         check_engine_runs(family_config(tmp_path, "bamba"), use_gpu=False)
     with pytest.raises(UserError, match="an architecture vLLM .* does not run"):  # on GPUs: not registered
         check_engine_runs(family_config(tmp_path, "bamba"), use_gpu=True)
+
+
+def test_the_layers_of_a_wrapped_text_model_are_read_from_its_text_config(tmp_path):
+    """Qwen3.5 lists its layers, Gated DeltaNet linear attention among them, in its text_config: they are read there.
+    Only the config can tell where vLLM's registry cannot be asked (its Qwen3.5 module failed to import here)."""
+    with open(os.path.join(family_config(tmp_path, "qwen3_5"), "config.json")) as f:
+        config = json.load(f)
+    assert "layer_types" not in config and recurrent_layers_in_config(config)
+    config["text_config"]["layer_types"] = ["full_attention"] * len(config["text_config"]["layer_types"])
+    assert not recurrent_layers_in_config(config)
 
 
 @pytest.mark.slow
