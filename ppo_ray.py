@@ -748,7 +748,7 @@ def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_p
                 metrics.update(evaluate(args, cluster, rollouts, tokenizer, reward_fn, eval_prompts))
             metrics["time/step"] = time.perf_counter() - step_start  # all of it: the phases and the driver's share
             logger.log(step + 1, metrics)
-            if not state and step == 0:  # the engines still hold the weights the trainer loaded
+            if not state and step == 0 and "vllm/logprob_diff" in metrics:  # the engines hold the loaded weights
                 print(engine_gap_line(float(metrics["vllm/logprob_diff"]), engine_dtype(args)), flush=True)
             bar.update(1)
             bar.set_postfix(score=f"{float(metrics['objective/scores']):.3f}",
