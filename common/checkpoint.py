@@ -388,10 +388,24 @@ def load_train_state(engines: dict, ckpt_dir: str, rank: int, step: int | None =
         if path is None:
             raise RuntimeError(f"checkpoint {os.path.join(ckpt_dir, tag, name)} could not be loaded; "
                                f"delete {ckpt_dir} to start over.")
+        follow_schedule(getattr(engine, "lr_scheduler", None))
     rng_file = os.path.join(ckpt_dir, tag, f"rng_rank{rank}.pt")
     if os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def follow_schedule(schedule) -> None:
+    """Give the next step the learning rate of this run's schedule at the restored step.
+
+    The optimizer's saved state brings the rate the checkpoint's own schedule set for it. Where --max_steps changed
+    (a run extended), the first resumed step took that old rate and the second the new schedule's: a step off both
+    curves. Same schedule, same rate: then this changes nothing. (Stepping from one step back computes the rate of
+    the restored step with this run's lambdas, which a LambdaLR does not save.)"""
+    if schedule is None:
+        return
+    schedule.last_epoch -= 1
+    schedule.step()
 
 
 def checkpoint_dir(args) -> str:

@@ -146,3 +146,34 @@ def test_the_schedule_takes_the_peak_once_and_ends_at_the_floor(total, ratio, ex
         optimizer.step()
         schedule.step()
     assert rates == pytest.approx(expected)
+
+
+def test_a_run_resumed_with_more_steps_takes_its_own_schedule_from_the_first_resumed_step():
+    """A run of 10 steps saved at step 4, resumed as a run of 40 (--max_steps raised): the optimizer's saved state
+    brought back the 10-step schedule's rate for step 4, and only step 5 took the 40-step one's."""
+    from common.checkpoint import follow_schedule
+    from common.deepspeed_utils import cosine_schedule
+
+    def run(total: int):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return optimizer, cosine_schedule(optimizer, total, 0.3, 0.1)
+
+    optimizer, schedule = run(10)
+    for _ in range(4):
+        optimizer.step()
+        schedule.step()
+    saved = optimizer.state_dict(), schedule.state_dict()
+    extended, rates = run(40), []
+    for _ in range(6):  # the 40-step run's own rates, steps 0-5
+        rates.append(extended[0].param_groups[0]["lr"])
+        extended[0].step()
+        extended[1].step()
+    optimizer, schedule = run(40)
+    optimizer.load_state_dict(saved[0])
+    schedule.load_state_dict(saved[1])
+    assert optimizer.param_groups[0]["lr"] != pytest.approx(rates[4])  # the 10-step schedule's rate came back
+    follow_schedule(schedule)
+    for step in (4, 5):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(rates[step]) == schedule.get_last_lr()[0], step
+        optimizer.step()
+        schedule.step()
