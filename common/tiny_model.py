@@ -91,9 +91,12 @@ ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config
 
 
 def build_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, seed=0,
-                architecture="llama", tie_word_embeddings=False, attention_bias=False):
+                architecture="llama", tie_word_embeddings=False, attention_bias=False, pad_vocab_to_multiple_of=1):
     """A randomly initialised Llama, Qwen2 or Mixtral. head_dim = hidden_size / num_heads must be >= 32 (vLLM's CPU
     attention).
+
+    pad_vocab_to_multiple_of rounds the embedding's rows up, as released models do (Qwen2.5: 151,936 rows for
+    151,665 tokens); at 64, vLLM's own padding adds none, and its engine handles the embedding as it does theirs.
 
     attention_bias gives a Llama biases on q/k/v/o; a Qwen2 always has q/k/v biases (and none on o); a Mixtral has 4
     experts of intermediate_size each, 2 per token, and no biases.
@@ -108,7 +111,7 @@ def build_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, num_kv_he
     extra = {"llama": {"attention_bias": attention_bias}, "qwen2": {},
              "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}[architecture]
     config = config_class(
-        vocab_size=len(tokenizer),
+        vocab_size=-(-len(tokenizer) // pad_vocab_to_multiple_of) * pad_vocab_to_multiple_of,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
         num_hidden_layers=num_layers,
@@ -128,7 +131,7 @@ def build_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, num_kv_he
 def write_tiny_model(out: str, seed: int = 0, chat_format: str = "default", **model_kwargs) -> str:
     """Write model + tokenizer to `out` (a Hugging Face model directory) and return the path.
 
-    model_kwargs go to build_model (sizes, architecture, tie_word_embeddings, attention_bias).
+    model_kwargs go to build_model (sizes, architecture, tie_word_embeddings, attention_bias, pad_vocab_to_multiple_of).
     """
     tokenizer = build_tokenizer(chat_format=chat_format)
     model = build_model(tokenizer, seed=seed, **model_kwargs)

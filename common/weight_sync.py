@@ -693,7 +693,12 @@ def keep_unsent_buffers(model) -> int:
 def unloaded_layers(model) -> list[str]:
     """Names of the layers that hold parameters a reload gave nothing, which vLLM is about to put back as they were:
     after a complete sync each is a layer vLLM would sample with stale weights. A layer whose parameter another
-    layer shares (tied embeddings' lm_head) is left out: reprocess_tied_layers rebuilds it."""
+    layer shares (tied embeddings' lm_head) is left out: reprocess_tied_layers rebuilds it.
+
+    A layer still waiting holds its old parameters aside (kernel_tensors) and meta tensors in their place; one that
+    vLLM finished during the sync holds its parameters again and keeps none aside. The embedding of a vocabulary with
+    no padding row finishes as soon as its matrix arrives, so the matrix tied lm_head shares is found among the live
+    parameters (SmolLM2's 49,152 rows; a padded vocabulary's embedding waited, and was found aside)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
@@ -701,8 +706,10 @@ def unloaded_layers(model) -> list[str]:
     owners: dict[int, int] = {}
     for module in model.modules():
         info = LAYERWISE_INFO.get(module)
-        for tensor in (info.kernel_tensors[0].values() if info is not None and info.kernel_tensors else ()):
-            owners[id(tensor)] = owners.get(id(tensor), 0) + 1
+        aside = info.kernel_tensors[0].values() if info is not None and info.kernel_tensors else ()
+        held = {id(t) for t in [*aside, *module._parameters.values()] if t is not None}
+        for key in held:
+            owners[key] = owners.get(key, 0) + 1
     stale = []
     for name, module in model.named_modules():
         info = LAYERWISE_INFO.get(module)
