@@ -11,7 +11,7 @@ import random
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from common import lora, rewards
+from common import lora, rewards, routing_replay
 from common.args import check_packing
 from common.checkpoint import load_train_state, save_hf_model, save_train_state
 from common.data import generation_stop_ids
@@ -64,7 +64,7 @@ def micro_batch(batch: dict, rows: list[int]) -> dict:
     mb = {}
     for key, value in batch.items():
         value = value[idx]
-        if value.dim() == 2:
+        if value.dim() >= 2:  # (rows, seq or seq - 1, ...)
             value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
         mb[key] = value.to(device())
     return mb
@@ -93,6 +93,8 @@ class ModelWorker(RayWorker):
             # here, where the model loads: a driver on a CPU head node (--ray_address) sees neither CUDA nor flash-attn
             check_packing(path, scalar_head_flag or "--pretrain")
         self.args, self.ptx = args, None
+        self.route_counts = [0, 0]  # the policy's router decisions unlike vLLM's, and those compared (routing_replay)
+        self.routes_from_vllm = trainable  # the policy's; a frozen model (reference, teacher) routes by itself
         self.rank, self.world_size, self.local_rank = init_distributed()
         torch.manual_seed(args.seed)
         config = train_or_eval_config(args, self.world_size, trainable)
@@ -135,7 +137,11 @@ class ModelWorker(RayWorker):
         else:
             input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
             start = response_start(batch["action_mask"])
-        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
+        routes = batch.get("routes") if self.routes_from_vllm else None  # (rows, seq, MoE layers, k)
+        if routes is not None:  # in the order the routers take the tokens: the rows flattened, or packed
+            routes = routes.flatten(0, 1)[index] if self.args.packing_samples else routes.flatten(0, 1)
+        with routing_replay.replaying(self.engine, routes, self.args.routing_replay, self.route_counts):
+            logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
         outputs = [token_logprobs(logits, input_ids[:, start + 1:])]  # (rows, seq - 1 - start)
         if with_entropy:
@@ -158,8 +164,14 @@ class ModelWorker(RayWorker):
     @torch.no_grad()
     def reference_logprobs(self, batch: dict) -> torch.Tensor:
         """With --lora_rank the reference is the actor's own frozen model, adapters off: no reference workers."""
-        with lora.reference(self.engine):
-            return self.logprobs(batch)
+        with lora.reference(self.engine):  # the frozen model routes by itself
+            return self.logprobs({key: value for key, value in batch.items() if key != "routes"})
+
+    def take_route_mismatch(self) -> dict:
+        """moe/route_mismatch of the policy's forwards since the last call: the share of (token, MoE layer)
+        decisions whose top-k experts differ from vLLM's (nothing for a dense model)."""
+        (differ, compared), self.route_counts = self.route_counts, [0, 0]
+        return {"moe/route_mismatch": differ / compared} if compared else {}
 
     # --- scalar heads (critic, reward models)
     def _normalizes(self) -> bool:

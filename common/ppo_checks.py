@@ -1,6 +1,6 @@
 """ppo_ray.py's flag and model checks, run before Ray starts: each mistake a user can make is one sentence."""
 
-from common import rewards
+from common import rewards, routing_replay
 from common.args import (UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
                          check_output_dir, check_packing)
 from common.checkpoint import check_keep_last
@@ -106,6 +106,7 @@ def check_args(args) -> None:
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
     check_model_path(args.pretrain)
     check_causal_lm(args.pretrain)
+    routing_replay.check_flags(args)
     if args.packing_samples:  # the reward models score padded rows
         check_packing(args.pretrain)
         if args.advantage_estimator == "gae" and critic_path(args) != args.pretrain:  # the critic trains packed
