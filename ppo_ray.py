@@ -102,6 +102,8 @@ class Args:
     """sampling temperature (the trainer's log-probs use the same)"""
     top_p: float = 1.0
     """nucleus sampling"""
+    keep_sampling_mask: bool = False
+    """with --top_p < 1, every log-prob (old, new, reference) over the top-p support vLLM sampled from, renormalised"""
     normalize_reward: bool = True
     """normalise reward-model scores with the mean/std rm.py stored"""
     reward_clip: float = 10.0

@@ -19,7 +19,7 @@ from common.deepspeed_utils import (device, ds_config, init_distributed, init_ev
                                     load_model, load_tokenizer, trained_zero_stage)
 from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
                              scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
-                             unpack_next_token)
+                             unpack_next_token, within_sampling_support)
 from common.ray_workers import RayWorker
 from common.weight_sync import (broadcast_weights_to_vllm, in_checkpoint_layout, init_weight_sync_group,
                                 iter_gathered_params)
@@ -143,6 +143,8 @@ class ModelWorker(RayWorker):
         with routing_replay.replaying(self.engine, routes, self.args.routing_replay, self.route_counts):
             logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
+        if self.args.keep_sampling_mask:  # and its top-p support, renormalised as vLLM did
+            logits = within_sampling_support(logits, input_ids[:, start + 1:], self.args.top_p)
         outputs = [token_logprobs(logits, input_ids[:, start + 1:])]  # (rows, seq - 1 - start)
         if with_entropy:
             # Logged only at --entropy_coef 0: no graph, which would keep two fp32 (batch, seq, vocab) tensors

@@ -40,6 +40,10 @@ def check_args(args) -> None:
         raise UserError(f"--temperature {args.temperature} --top_p {args.top_p}: the trainer's log-probs divide "
                         f"by the temperature and the policy must keep some tokens; give a temperature above 0 "
                         f"(1.0 samples the policy as it is) and a top_p in (0, 1] (evaluation is greedy anyway).")
+    if args.keep_sampling_mask and args.top_p >= 1:
+        raise UserError(f"--keep_sampling_mask scores tokens over the top-p support vLLM sampled from, and --top_p "
+                        f"{args.top_p} samples from the whole vocabulary; give --top_p below 1 (e.g. 0.9), or leave "
+                        f"the flag out.")
     if args.kl_target is not None and not (args.kl_target > 0 and args.init_kl_coef > 0):
         raise UserError(f"--kl_target {args.kl_target} with --init_kl_coef {args.init_kl_coef}: the adaptive "
                         f"controller scales the coefficient up and down from --init_kl_coef, so both must be above "

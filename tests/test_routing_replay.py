@@ -1,13 +1,16 @@
-"""Routing replay (common/routing_replay.py): the experts vLLM routed each token to, captured in the engine, travel
-with the batch, and the trainer's MoE layers use them.
+"""The trainer scores what the sampler sampled: routing replay (common/routing_replay.py) and the sampling mask
+(modeling.within_sampling_support), each against a real vLLM engine and the trainer's own forward
+(ModelWorker._logprobs, padded and packed) on tiny MoE models after a weight sync.
 
-The proof drives a real vLLM engine and the trainer's own forward (ModelWorker._logprobs, padded and packed) on tiny
-MoE models, after a weight sync: with the trainer's routers alone perturbed (the engine untouched), the trainer
-routes tokens otherwise than vLLM did; without replay vllm/logprob_diff jumps, with replay it stays near rounding.
-The perturbation is built so that nothing but the routing can explain the jump: two experts score alike (their
-router rows are equal, synced to the engine), and the trainer alone breaks the tie by scaling one row by 1 + 1e-3,
-which moves the replayed gate weights by ~1e-3 of the router's logits and nothing else. Mixtral in the default tier; Qwen3-MoE and Qwen2-MoE (a family whose router feeds
-a shared expert beside the routed ones) in the extended tier.
+Routing replay: with the trainer's routers alone perturbed (the engine untouched), the trainer routes tokens
+otherwise than vLLM did; without replay vllm/logprob_diff jumps, with replay it stays near rounding. The perturbation
+is built so that nothing but the routing can explain the jump: two experts score alike (their router rows are equal,
+synced to the engine), and the trainer alone breaks the tie by scaling one row by 1 + 1e-3, which moves the replayed
+gate weights by ~1e-3 of the router's logits and nothing else. Mixtral in the default tier; Qwen3-MoE and Qwen2-MoE
+(whose router feeds a shared expert beside the routed ones) in the extended tier.
+
+Sampling mask: at --top_p 0.9 vLLM's log-probs are over the nucleus, renormalised; the trainer's are over the
+whole vocabulary unless --keep_sampling_mask.
 """
 
 import argparse
@@ -26,98 +29,129 @@ from tests.try_model_families import InProcessEngine, write_model
 FAMILY_SETTINGS = {"mixtral": {}, "qwen3_moe": {"norm_topk_prob": True}, "qwen2_moe": {"norm_topk_prob": True}}
 PERTURBATION = 1e-3
 PROMPTS = [[5, 17, 40, 33, 8], [9, 10, 11], [60, 61, 62, 63, 64, 65, 66], [3, 90]]
+TOP_P = 0.9
 
 
-def trainer_logprobs(model, batch: dict, replay: bool, packing: bool) -> tuple[torch.Tensor, float]:
+def trainer_logprobs(model, batch: dict, replay: bool = False, packing: bool = False, top_p: float = 1.0,
+                     keep_sampling_mask: bool = False) -> tuple[torch.Tensor, float]:
     """The actor's log-probs of the batch through ModelWorker._logprobs, and moe/route_mismatch of that pass."""
     worker = ModelWorker.__new__(ModelWorker)  # the rank's forward alone: no Ray, no DeepSpeed
     worker.engine, worker.routes_from_vllm, worker.route_counts = model, True, [0, 0]
-    worker.args = argparse.Namespace(packing_samples=packing, temperature=1.0, routing_replay=replay, entropy_coef=0)
+    worker.args = argparse.Namespace(packing_samples=packing, temperature=1.0, routing_replay=replay, entropy_coef=0,
+                                     top_p=top_p, keep_sampling_mask=keep_sampling_mask)
     with torch.no_grad():
         logprobs = worker._logprobs(batch)
     return logprobs, worker.take_route_mismatch().get("moe/route_mismatch", float("nan"))
 
 
 def logprob_diff(logprobs: torch.Tensor, batch: dict) -> float:
+    """vllm/logprob_diff: mean |vLLM's log-prob - the trainer's| over the sampled tokens."""
     mask = batch["action_mask"].bool()
     return (logprobs - batch["vllm_logprobs"])[mask].abs().mean().item()
 
 
-def replay_check(family: str, out: str) -> dict:
-    """An engine on the family's tiny model takes the trainer's weights by a sync (so that the capture survives a
-    reload), samples, and the trainer scores the samples with and without its routers perturbed, with and without
-    replay; returns the figures."""
+def sampled(family: str, out: str) -> dict:
+    """An engine on the family's tiny model (experts 0 and 1 tied in every router) takes the trainer's weights by a
+    sync, so that the capture must survive a reload, and samples the prompts at top_p 1 and TOP_P with
+    ppo_ray.py's engine settings; returns the trainer's model and build_batch's batches."""
+    import ray
+
     import ppo_ray
     from common.vllm_engine import VLLMEngine
     from common.weight_sync import broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
 
+    os.environ.update(RAY_AUTH_MODE="disabled", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = write_model(family, os.path.join(out, family), **FAMILY_SETTINGS[family])
-    engine = VLLMEngine(path, seed=0, max_model_len=128, tensor_parallel_size=1, gpu_memory_utilization=0.9,
-                        enforce_eager=True, dtype=None, enable_sleep_mode=False, use_gpu=False, bundle_indices=None,
-                        llm_kwargs=routing_replay.engine_kwargs())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(1)
-    routers = routing_replay.trainer_routers(model)
     with torch.no_grad():  # a training step's worth of change, which the sync carries to the engine
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=generator))
-        for router in routers:  # experts 0 and 1 score alike for every token: a tie that rounding decides
+        for router in routing_replay.trainer_routers(model):  # experts 0 and 1 score alike: a tie rounding decides
             router.weight[1] = router.weight[0]
-    broadcast_weights_to_vllm(iter_gathered_params(model), [InProcessEngine(engine)],
-                              init_weight_sync_group([InProcessEngine(engine)]))
-    samples = engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, seeds=list(range(len(PROMPTS))))
-    engine.shutdown()
-    batch = ppo_ray.build_batch(PROMPTS, samples, pad_id=0)
-    result = {"layers": batch["routes"].shape[2],
-              "known": (batch["routes"][..., 0, 0] >= 0).sum().item(),
-              "fed": sum(len(s["token_ids"]) + len(p) - 1 for p, group in zip(PROMPTS, samples) for s in group)}
-    for packing in (False, True):
-        logprobs, result[f"mismatch_synced_packing{packing}"] = trainer_logprobs(model, batch, False, packing)
-        result[f"diff_synced_packing{packing}"] = logprob_diff(logprobs, batch)
-    with torch.no_grad():  # the trainer's routers alone break the tie: expert 1 wins where the score is positive
-        for router in routers:
-            router.weight[1] *= 1 + PERTURBATION
-    for replay in (False, True):
-        for packing in (False, True):
-            logprobs, mismatch = trainer_logprobs(model, batch, replay, packing)
-            result[f"diff_replay{replay}_packing{packing}"] = logprob_diff(logprobs, batch)
-            result[f"mismatch_replay{replay}_packing{packing}"] = mismatch
-    return result
-
-
-def check_replay(family: str, out: str) -> None:
-    import ray
-
-    os.environ.update(RAY_AUTH_MODE="disabled", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # the weight sync's calls go through Ray
     try:
-        result = replay_check(family, out)
+        engine = VLLMEngine(path, seed=0, max_model_len=128, tensor_parallel_size=1, gpu_memory_utilization=0.9,
+                            enforce_eager=True, dtype=None, enable_sleep_mode=False, use_gpu=False,
+                            bundle_indices=None, llm_kwargs={"logprobs_mode": "processed_logprobs",
+                                                             **routing_replay.engine_kwargs()})
+        broadcast_weights_to_vllm(iter_gathered_params(model), [InProcessEngine(engine)],
+                                  init_weight_sync_group([InProcessEngine(engine)]))
+        seeds = list(range(len(PROMPTS)))
+        full = engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, seeds=seeds)
+        nucleus = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=TOP_P, max_tokens=12, seeds=seeds)
+        engine.shutdown()
     finally:
         ray.shutdown()
-    print(family, result)
-    assert result["known"] == result["fed"], "every token vLLM computed has its route"
+    fed = sum(len(s["token_ids"]) + len(p) - 1 for p, group in zip(PROMPTS, full) for s in group)
+    return {"model": model, "batch": ppo_ray.build_batch(PROMPTS, full, pad_id=0), "fed": fed,
+            "top_p_batch": ppo_ray.build_batch(PROMPTS, nucleus, pad_id=0)}
+
+
+@pytest.fixture(scope="module")
+def mixtral_samples(tmp_path_factory) -> dict:
+    return sampled("mixtral", str(tmp_path_factory.mktemp("replay")))
+
+
+def check_replay(run: dict) -> None:
+    model, batch = run["model"], run["batch"]
+    assert (batch["routes"][..., 0, 0] >= 0).sum().item() == run["fed"], "every token vLLM computed has its route"
+    figures = {}
     for packing in (False, True):
-        assert result[f"diff_synced_packing{packing}"] < 1e-4, "the same weights and experts: rounding"
-        assert result[f"mismatch_synced_packing{packing}"] < 0.02, "the same weights route alike"
+        logprobs, mismatch = trainer_logprobs(model, batch, packing=packing)
+        figures[f"synced packing={packing}"] = (logprob_diff(logprobs, batch), mismatch)
+    with torch.no_grad():  # the trainer's routers alone break the tie: expert 1 wins where the score is positive
+        routers = routing_replay.trainer_routers(model)
+        for router in routers:
+            router.weight[1] *= 1 + PERTURBATION
+    try:
+        for replay in (False, True):
+            for packing in (False, True):
+                logprobs, mismatch = trainer_logprobs(model, batch, replay, packing)
+                figures[f"perturbed replay={replay} packing={packing}"] = (logprob_diff(logprobs, batch), mismatch)
+    finally:
+        with torch.no_grad():
+            for router in routers:
+                router.weight[1] /= 1 + PERTURBATION
+    print(figures)  # (vllm/logprob_diff, moe/route_mismatch) each
+    for packing in (False, True):
+        diff, mismatch = figures[f"synced packing={packing}"]
+        assert diff < 1e-4 and mismatch < 0.02, "the same weights route alike and score to rounding"
+        without, without_mismatch = figures[f"perturbed replay=False packing={packing}"]
+        replayed, replayed_mismatch = figures[f"perturbed replay=True packing={packing}"]
         # the perturbed routers choose otherwise, whether the forward then follows vLLM's choice or not
-        assert result[f"mismatch_replayFalse_packing{packing}"] > 0.1
-        assert result[f"mismatch_replayTrue_packing{packing}"] > 0.1
+        assert without_mismatch > 0.1 and replayed_mismatch > 0.1
         # the flipped tokens went through another expert; the replayed ones through vLLM's, whose gate weights
         # moved by the perturbation alone (measured on Mixtral: 2.1e-2 against 9.0e-6)
-        assert result[f"diff_replayFalse_packing{packing}"] > 1e-3
-        assert result[f"diff_replayTrue_packing{packing}"] < 1e-4
+        assert without > 1e-3 and replayed < 1e-4, figures
 
 
 @pytest.mark.slow
-def test_routing_replay_scores_the_experts_vllm_used_on_mixtral(tmp_path):
-    check_replay("mixtral", str(tmp_path))
+def test_routing_replay_scores_the_experts_vllm_used_on_mixtral(mixtral_samples):
+    check_replay(mixtral_samples)
+
+
+@pytest.mark.slow
+def test_the_sampling_mask_scores_the_support_vllm_sampled_from(mixtral_samples):
+    """At top_p 0.9 (experts replayed, so that routing plays no part) vLLM's log-probs are the nucleus's; the
+    trainer's over the whole vocabulary lie below them by the nucleus's missing mass."""
+    model, batch = mixtral_samples["model"], mixtral_samples["top_p_batch"]
+    figures = {}
+    for keep in (False, True):
+        for packing in (False, True):
+            logprobs, _ = trainer_logprobs(model, batch, True, packing, TOP_P, keep)
+            figures[f"keep_sampling_mask={keep} packing={packing}"] = logprob_diff(logprobs, batch)
+    print(figures)
+    for packing in (False, True):
+        assert figures[f"keep_sampling_mask=False packing={packing}"] > 1e-2, figures
+        assert figures[f"keep_sampling_mask=True packing={packing}"] < 1e-4, figures
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_routing_replay_on_other_families(family, tmp_path):
-    check_replay(family, str(tmp_path))
+    check_replay(sampled(family, str(tmp_path)))
 
 
 def test_replay_is_refused_where_it_cannot_apply(tiny_model, tmp_path):
