@@ -13,8 +13,10 @@ Engine side. vLLM 0.32 hands back routed experts (`enable_return_routed_experts`
 which needs Triton and so does not run on CPU; the capture here hooks the routers of vLLM's MoE layers instead
 (BaseRouter.set_capture_fn, vLLM's own capture point) and files each step's top-k ids under the request and
 position of its tokens, read from the model runner's batch layout. `start_capture` and `take_routes` run on the
-worker through `collective_rpc`. Prefix caching is turned off for such an engine (`engine_kwargs`): a token whose
-KV came from the cache is not routed again, and its route would be missing.
+worker through `collective_rpc`. Under --routing_replay prefix caching is off (`engine_kwargs`): a token whose
+KV came from the cache is not routed again, and its route would be missing; and on GPUs the engine runs eagerly
+(placement.py), since a CUDA graph replays without calling the capture. Without --routing_replay an MoE engine keeps
+both, and tokens without a route (NO_ROUTE) are left out of moe/route_mismatch.
 
 Trainer side. transformers 5 routers (`...TopKRouter` modules, 29 families) compute `torch.topk(probs, top_k)`
 once; `replaying(model, routes)` runs each router's forward with that call answered by the forced indices and the
