@@ -60,9 +60,6 @@ def check_flags(args) -> None:
         raise UserError("--routing_replay with --gradient_checkpointing: the backward pass recomputes the routers "
                         "outside the replayed forward, so it would differentiate other experts than the forward "
                         "used; leave out one of the two.")
-    if args.env_fn:
-        raise UserError("--routing_replay with --env_fn: the routes of a multi-turn episode are not kept turn by "
-                        "turn yet, so its earlier turns would be scored with other experts; leave out one of the two.")
 
 
 # ------------------------------------------------------------------------------------------------ engine side
@@ -142,6 +139,15 @@ def attach_routes(outputs, routes: dict) -> list:
             per_sample.append(array)
         result.append(per_sample)
     return result
+
+
+def extend_routes(kept: np.ndarray | None, turn: np.ndarray) -> np.ndarray:
+    """An episode's routes after one more turn (common/multi_turn.py), (fed tokens, layers, k): each token keeps the
+    route of the turn that first computed it, under which that turn's response was sampled, and the turn adds the
+    routes of the tokens it fed first (the previous turn's last token, the environment's reply, its own response).
+    A later turn feeds the earlier tokens again (prefix caching is off under --routing_replay) and routes them alike
+    up to rounding, where an engine with prefix caching would reuse the first turn's computation outright."""
+    return turn if kept is None else np.concatenate([kept, turn[len(kept):]])
 
 
 # ------------------------------------------------------------------------------------------------ trainer side
