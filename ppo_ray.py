@@ -652,7 +652,8 @@ class ActorWorker(ModelWorker):
                 losses.append(loss.item())
                 aux_losses.append(float(aux))
         (update, update_weights), (sampled, sampled_weights) = batch_means(means), batch_means(on_policy)
-        sampled.update(self.take_route_mismatch() if on_policy else {})  # else the experience measured it
+        mismatch = self.take_route_mismatch()  # of the sampling weights where this fit scored them first
+        sampled.update(mismatch if on_policy else {})  # else the experience's pass measured it
         aux_loss = {"policy/aux_loss": sum(aux_losses) / len(aux_losses)} if any(aux_losses) else {}
         return {"loss/policy_avg": sum(losses) / len(losses), "policy/lr": lr, **update, **sampled, **aux_loss,
                 "weights": {**update_weights, **sampled_weights}}
