@@ -7,7 +7,7 @@ otherwise than vLLM did; without replay vllm/logprob_diff jumps, with replay it 
 is built so that nothing but the routing can explain the jump: two experts score alike (their router rows are equal,
 synced to the engine), and the trainer alone breaks the tie by scaling one row by 1 + 1e-3, which moves the replayed
 gate weights by ~1e-3 of the router's logits and nothing else. Mixtral in the default tier; Qwen3-MoE and Qwen2-MoE
-(whose router feeds a shared expert beside the routed ones) in the extended tier.
+(whose router feeds a shared expert beside the routed ones) in the extended tier; under peft's LoRA too.
 
 Sampling mask: at --top_p 0.9 vLLM's log-probs are over the nucleus, renormalised; the trainer's are over the
 whole vocabulary unless --keep_sampling_mask.
@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from common import routing_replay
@@ -110,16 +111,24 @@ def check_replay(run: dict) -> None:
             for packing in (False, True):
                 logprobs, mismatch = trainer_logprobs(model, batch, replay, packing)
                 figures[f"perturbed replay={replay} packing={packing}"] = (logprob_diff(logprobs, batch), mismatch)
+        # under peft's LoRA (all-linear, as --lora_rank adapts; its adapters start at 0) the routers are found and
+        # replayed alike
+        adapted = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        for replay in (False, True):
+            logprobs, mismatch = trainer_logprobs(adapted, batch, replay)
+            figures[f"perturbed replay={replay} lora"] = (logprob_diff(logprobs, batch), mismatch)
+        model = adapted.unload()
     finally:
         with torch.no_grad():
             for router in routers:
                 router.weight[1] /= 1 + PERTURBATION
     print(figures)  # (vllm/logprob_diff, moe/route_mismatch) each
-    for packing in (False, True):
-        diff, mismatch = figures[f"synced packing={packing}"]
-        assert diff < 1e-4 and mismatch < 0.02, "the same weights route alike and score to rounding"
-        without, without_mismatch = figures[f"perturbed replay=False packing={packing}"]
-        replayed, replayed_mismatch = figures[f"perturbed replay=True packing={packing}"]
+    for case in ("packing=False", "packing=True", "lora"):
+        if case != "lora":
+            diff, mismatch = figures[f"synced {case}"]
+            assert diff < 1e-4 and mismatch < 0.02, "the same weights route alike and score to rounding"
+        without, without_mismatch = figures[f"perturbed replay=False {case}"]
+        replayed, replayed_mismatch = figures[f"perturbed replay=True {case}"]
         # the perturbed routers choose otherwise, whether the forward then follows vLLM's choice or not
         assert without_mismatch > 0.1 and replayed_mismatch > 0.1
         # the flipped tokens went through another expert; the replayed ones through vLLM's, whose gate weights
