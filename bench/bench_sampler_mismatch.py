@@ -52,7 +52,7 @@ class Args:
 def trainer_logprobs(model, batch: dict, replay: bool, top_p: float, keep_sampling_mask: bool):
     """The actor's log-probs of the batch (ModelWorker._logprobs) and moe/route_mismatch of that pass."""
     worker = ModelWorker.__new__(ModelWorker)  # the rank's forward alone: no Ray, no DeepSpeed
-    worker.engine, worker.routes_from_vllm, worker.route_counts = model, True, [0, 0]
+    worker.engine = model
     worker.args = argparse.Namespace(packing_samples=False, temperature=1.0, routing_replay=replay, entropy_coef=0,
                                      top_p=top_p, keep_sampling_mask=keep_sampling_mask)
     with torch.no_grad():

@@ -84,6 +84,9 @@ def in_length_order(batch: dict, size: int, forward, width: int | None = None) -
 class ModelWorker(RayWorker):
     """One rank of a model: the reference or a reward model as it is, the actor and critic with their `fit`."""
 
+    routes_from_vllm = True  # the policy's forwards take the experts vLLM chose (common/routing_replay.py)
+    route_counts = (0, 0)  # its router decisions unlike vLLM's, and those compared, since take_route_mismatch
+
     def setup(self, args, path: str, total_steps: int | None = None, learning_rate: float = 0.0,
               scalar_head_flag: str | None = None):
         """Load `path` as this rank's share of a ZeRO model: trained when `total_steps` is given, else frozen; with
@@ -93,8 +96,7 @@ class ModelWorker(RayWorker):
             # here, where the model loads: a driver on a CPU head node (--ray_address) sees neither CUDA nor flash-attn
             check_packing(path, scalar_head_flag or "--pretrain")
         self.args, self.ptx = args, None
-        self.route_counts = [0, 0]  # the policy's router decisions unlike vLLM's, and those compared (routing_replay)
-        self.routes_from_vllm = trainable  # the policy's; a frozen model (reference, teacher) routes by itself
+        self.routes_from_vllm = trainable  # a frozen model (reference, teacher) routes by itself
         self.rank, self.world_size, self.local_rank = init_distributed()
         torch.manual_seed(args.seed)
         config = train_or_eval_config(args, self.world_size, trainable)
@@ -140,8 +142,9 @@ class ModelWorker(RayWorker):
         routes = batch.get("routes") if self.routes_from_vllm else None  # (rows, seq, MoE layers, k)
         if routes is not None:  # in the order the routers take the tokens: the rows flattened, or packed
             routes = routes.flatten(0, 1)[index] if self.args.packing_samples else routes.flatten(0, 1)
-        with routing_replay.replaying(self.engine, routes, self.args.routing_replay, self.route_counts):
+        with routing_replay.replaying(self.engine, routes, self.args.routing_replay) as counts:
             logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
+        self.route_counts = tuple(map(sum, zip(self.route_counts, counts)))
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
         if self.args.keep_sampling_mask:  # and its top-p support, renormalised as vLLM did
             logits = within_sampling_support(logits, input_ids[:, start + 1:], self.args.top_p)
@@ -172,7 +175,7 @@ class ModelWorker(RayWorker):
     def take_route_mismatch(self) -> dict:
         """moe/route_mismatch of the policy's forwards since the last call: the share of (token, MoE layer)
         decisions whose top-k experts differ from vLLM's (nothing for a dense model)."""
-        (differ, compared), self.route_counts = self.route_counts, [0, 0]
+        (differ, compared), self.route_counts = self.route_counts, (0, 0)
         return {"moe/route_mismatch": differ / compared} if compared else {}
 
     # --- scalar heads (critic, reward models)

@@ -171,16 +171,17 @@ def batch_routes(samples: list[list[dict]], length: int) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def replaying(model, routes: torch.Tensor | None, force: bool, counts: list):
+def replaying(model, routes: torch.Tensor | None, force: bool):
     """Within it, the model's routers see `routes`, (tokens, layers, k) for the tokens of each forward in the order
-    the routers take them (the batch flattened, or packed): each counts into `counts` [decisions that differ from
-    the routes, decisions compared] over tokens whose route is known, and with `force` picks the routes' experts,
-    weighted by its own probabilities of them. Without routes, or a model without such routers, nothing changes."""
+    the routers take them (the batch flattened, or packed): each counts into the list it yields [decisions that
+    differ from the routes, decisions compared] over tokens whose route is known, and with `force` picks the routes'
+    experts, weighted by its own probabilities of them. Without routes, or a model without such routers, nothing
+    changes."""
     routers = trainer_routers(model) if routes is not None else []
     if routes is not None and routers and routes.shape[1] != len(routers):
         raise ValueError(f"the engine routed through {routes.shape[1]} MoE layers, the trainer's model has "
                          f"{len(routers)}: the engine and the trainer must run the same model")
-    original_topk, handles = torch.topk, []
+    original_topk, handles, counts = torch.topk, [], [0, 0]
 
     def topk_of(router, layer):
         def topk(input, k, dim=-1, largest=True, sorted=True):
