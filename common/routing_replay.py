@@ -18,7 +18,8 @@ KV came from the cache is not routed again, and its route would be missing; and 
 (placement.py), since a CUDA graph replays without calling the capture. Without --routing_replay an MoE engine keeps
 both, and tokens without a route (NO_ROUTE) are left out of moe/route_mismatch.
 
-Trainer side. transformers 5 routers (`...TopKRouter` modules, 29 families) compute `torch.topk(probs, top_k)`
+Trainer side. transformers 5 routers (`...TopKRouter` modules, 29 families, and DeepSeek-V2/V3's and GLM-4-MoE's
+`...TopkRouter`, whose group choice is a top-k of its own that passes through) compute `torch.topk(probs, top_k)`
 once; `replaying(model, routes)` runs each router's forward with that call answered by the forced indices and the
 router's own probabilities at them. Hooks on modules work under ZeRO-3 and peft alike (the router's parameters are
 gathered as for any forward).
@@ -56,6 +57,13 @@ def check_flags(args) -> None:
     if not mixture_of_experts(args.pretrain):
         raise UserError(f"--routing_replay replays the experts vLLM routed each token to, and --pretrain "
                         f"{args.pretrain} is a dense model (no num_experts_per_tok in its config); leave it out.")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # the model's modules without memory
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.pretrain))
+    if not trainer_routers(model):
+        raise UserError(f"--routing_replay forces the top-k of transformers' `TopKRouter` modules, and --pretrain "
+                        f"{args.pretrain}'s {type(model).__name__} routes without one; leave the flag out.")
     if args.gradient_checkpointing:
         raise UserError("--routing_replay with --gradient_checkpointing: the backward pass recomputes the routers "
                         "outside the replayed forward, so it would differentiate other experts than the forward "
@@ -125,6 +133,8 @@ def attach_routes(outputs, routes: dict) -> list:
     """Each completion's routes, (fed tokens, layers, k) int16 with fed tokens = prompt + response - 1 (the last
     sampled token is never fed back), NO_ROUTE where the engine routed none (a prefix-cache hit). A completion of
     vLLM's request "r" was computed as "r" (n = 1) or "<index>_r" (n > 1), to which vLLM appends "-<suffix>"."""
+    if not routes:  # nothing was computed (every token a prefix-cache hit)
+        return []
     by_request = {request.rsplit("-", 1)[0]: array for request, array in routes.items()}
     shape = next(iter(routes.values())).shape[1:]
     result = []
@@ -154,8 +164,8 @@ def extend_routes(kept: np.ndarray | None, turn: np.ndarray) -> np.ndarray:
 def trainer_routers(model) -> list:
     """The routers of a transformers model's MoE layers, in layer order: modules that choose `top_k` of
     `num_experts` experts by torch.topk (transformers 5's `<Family>TopKRouter`)."""
-    return [m for m in model.modules()
-            if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+    return [m for m in model.modules()  # DeepSeek-V3 and GLM-4-MoE spell it TopkRouter
+            if type(m).__name__.lower().endswith("topkrouter") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
 
 
 def batch_routes(samples: list[list[dict]], length: int) -> torch.Tensor | None:

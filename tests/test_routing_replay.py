@@ -19,12 +19,12 @@ import os
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from common import routing_replay
 from common.args import UserError
 from common.model_worker import ModelWorker
-from tests.try_model_families import InProcessEngine, write_model
+from tests.try_model_families import FAMILIES, InProcessEngine, write_model
 
 # Renormalised top-k gate weights, as Mixtral always has them and Qwen3-30B-A3B's config asks.
 FAMILY_SETTINGS = {"mixtral": {}, "qwen3_moe": {"norm_topk_prob": True}, "qwen2_moe": {"norm_topk_prob": True}}
@@ -163,11 +163,56 @@ def test_routing_replay_on_other_families(family, tmp_path):
     check_replay(sampled(family, str(tmp_path)))
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_each_router_kind_hands_its_block_the_given_experts_at_its_own_weights(family):
+    """Without an engine: routes drawn at random are what every router hands its experts' block under replay, with
+    the weights its own probabilities give them (DeepSeek-V3's grouped, biased sigmoid choice and gpt-oss's top-k of
+    logits among them); moe/route_mismatch counts the decisions that differ from the router's own."""
+    from common.tiny_model import build_tokenizer
+    from tests.model_family_table import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, build_tokenizer())).float().eval()
+    routers = routing_replay.trainer_routers(model)
+    assert routers, f"no router of {family} found"
+    ids = torch.randint(3, 300, (2, 9))
+    tokens, k, experts = ids.numel(), routers[0].top_k, routers[0].num_experts
+    routes = torch.stack([torch.stack([torch.randperm(experts)[:k] for _ in routers]) for _ in range(tokens)])
+    routes = routes.to(torch.int16)  # (tokens, MoE layers, k)
+    handed, own = [], []
+    hooks = [r.register_forward_hook(lambda m, a, out: handed.append(out)) for r in routers]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+            own, handed = handed, []
+            with routing_replay.replaying(model, routes, force=True) as counts:
+                model(input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for layer, (_, _, indices) in enumerate(handed):
+        assert (indices == routes[:, layer].long()).all()
+    # the first router sees the same input with and without replay: where the given experts are its own choice, it
+    # weighs them as it did; elsewhere by its own probabilities of the given ones (not its choice's)
+    (_, weights, indices), (_, own_weights, own_indices) = handed[0], own[0]
+    same = (indices.sort(-1).values == own_indices.sort(-1).values).all(-1)  # (tokens,)
+    assert same.any() and not same.all()
+    torch.testing.assert_close(weights[same].sort(-1).values, own_weights[same].sort(-1).values)
+    # every decision compared; the first layer's differences as counted without replay, the later layers' from
+    # inputs the replay changed
+    first = int((~same).sum())
+    assert counts[1] == tokens * len(routers) and first <= counts[0] <= counts[1] - int(same.sum())
+
+
 def test_replay_is_refused_where_it_cannot_apply(tiny_model, tmp_path):
     mixtral = write_model("mixtral", str(tmp_path / "mixtral"))
     args = argparse.Namespace(routing_replay=True, pretrain=tiny_model, gradient_checkpointing=False)
     with pytest.raises(UserError, match="dense model"):
         routing_replay.check_flags(args)
+    jamba = str(tmp_path / "jamba")  # experts behind a plain nn.Linear router, which the replay cannot force
+    AutoConfig.for_model("jamba", **FAMILIES["jamba"]).save_pretrained(jamba)
+    with pytest.raises(UserError, match="routes without one"):
+        routing_replay.check_flags(argparse.Namespace(**{**vars(args), "pretrain": jamba}))
     args.pretrain = mixtral
     routing_replay.check_flags(args)
     args.gradient_checkpointing = True
