@@ -57,6 +57,8 @@ def trainer_logprobs(model, batch: dict, replay: bool, top_p: float, keep_sampli
                                      top_p=top_p, keep_sampling_mask=keep_sampling_mask)
     with torch.no_grad():
         logprobs = worker._logprobs(batch)
+    if worker.replay:
+        worker.replay.remove()  # the next worker on this model hooks it anew
     return logprobs, worker.take_route_mismatch().get("moe/route_mismatch")
 
 

@@ -85,7 +85,7 @@ class ModelWorker(RayWorker):
     """One rank of a model: the reference or a reward model as it is, the actor and critic with their `fit`."""
 
     routes_from_vllm = True  # the policy's forwards take the experts vLLM chose (common/routing_replay.py)
-    route_counts = (0, 0)  # its router decisions unlike vLLM's, and those compared, since take_route_mismatch
+    replay = None  # their routing_replay.Replay, made at the first batch that carries routes
 
     def setup(self, args, path: str, total_steps: int | None = None, learning_rate: float = 0.0,
               scalar_head_flag: str | None = None):
@@ -142,9 +142,11 @@ class ModelWorker(RayWorker):
         routes = batch.get("routes") if self.routes_from_vllm else None  # (rows, seq, MoE layers, k)
         if routes is not None:  # in the order the routers take the tokens: the rows flattened, or packed
             routes = routes.flatten(0, 1)[index] if self.args.packing_samples else routes.flatten(0, 1)
-        with routing_replay.replaying(self.engine, routes, self.args.routing_replay) as counts:
-            logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
-        self.route_counts = tuple(map(sum, zip(self.route_counts, counts)))
+        if routes is not None and self.replay is None:
+            self.replay = routing_replay.Replay(self.engine)
+        if self.replay:  # until the next forward: a checkpointed layer's recomputation routes as this forward did
+            self.replay.set(routes, self.args.routing_replay)
+        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
         if self.args.keep_sampling_mask:  # and its top-p support, renormalised as vLLM did
             logits = within_sampling_support(logits, input_ids[:, start + 1:], self.args.top_p)
@@ -175,7 +177,9 @@ class ModelWorker(RayWorker):
     def take_route_mismatch(self) -> dict:
         """moe/route_mismatch of the policy's forwards since the last call: the share of (token, MoE layer)
         decisions whose top-k experts differ from vLLM's (nothing for a dense model)."""
-        (differ, compared), self.route_counts = self.route_counts, (0, 0)
+        if self.replay is None:
+            return {}
+        (differ, compared), self.replay.counts = self.replay.counts, [0, 0]
         return {"moe/route_mismatch": differ / compared} if compared else {}
 
     # --- scalar heads (critic, reward models)

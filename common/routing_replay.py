@@ -20,7 +20,7 @@ both, and tokens without a route (NO_ROUTE) are left out of moe/route_mismatch.
 
 Trainer side. transformers 5 routers (`...TopKRouter` modules, 29 families, and DeepSeek-V2/V3's and GLM-4-MoE's
 `...TopkRouter`, whose group choice is a top-k of its own that passes through) compute `torch.topk(probs, top_k)`
-once; `replaying(model, routes)` runs each router's forward with that call answered by the forced indices and the
+once; a `Replay` on the model runs each router's forward with that call answered by the forced indices and the
 router's own probabilities at them. Hooks on modules work under ZeRO-3 and peft alike (the router's parameters are
 gathered as for any forward).
 """
@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from common.args import UserError
+
+TOPK = torch.topk  # torch's own, which a router's forward gets back when it ends
 
 # A route that is not known (the last token of a sequence, which vLLM never feeds back; padding): the trainer's own.
 NO_ROUTE = -1
@@ -64,10 +66,10 @@ def check_flags(args) -> None:
     if not trainer_routers(model):
         raise UserError(f"--routing_replay forces the top-k of transformers' `TopKRouter` modules, and --pretrain "
                         f"{args.pretrain}'s {type(model).__name__} routes without one; leave the flag out.")
-    if args.gradient_checkpointing:
-        raise UserError("--routing_replay with --gradient_checkpointing: the backward pass recomputes the routers "
-                        "outside the replayed forward, so it would differentiate other experts than the forward "
-                        "used; leave out one of the two.")
+    if args.gradient_checkpointing and args.ptx_data:
+        raise UserError("--routing_replay with --gradient_checkpointing and --ptx_data: one backward pass recomputes "
+                        "the policy's layers and the pretraining text's, and a router cannot tell which it routes; "
+                        "leave out one of the three.")
 
 
 # ------------------------------------------------------------------------------------------------ engine side
@@ -180,49 +182,63 @@ def batch_routes(samples: list[list[dict]], length: int) -> torch.Tensor | None:
     return batch
 
 
-@contextlib.contextmanager
-def replaying(model, routes: torch.Tensor | None, force: bool):
-    """Within it, the model's routers see `routes`, (tokens, layers, k) for the tokens of each forward in the order
-    the routers take them (the batch flattened, or packed): each counts into the list it yields [decisions that
-    differ from the routes, decisions compared] over tokens whose route is known, and with `force` picks the routes'
-    experts, weighted by its own probabilities of them. Without routes, or a model without such routers, nothing
-    changes."""
-    routers = trainer_routers(model) if routes is not None else []
-    if routes is not None and routers and routes.shape[1] != len(routers):
-        raise ValueError(f"the engine routed through {routes.shape[1]} MoE layers, the trainer's model has "
-                         f"{len(routers)}: the engine and the trainer must run the same model")
-    original_topk, handles, counts = torch.topk, [], [0, 0]
+class Replay:
+    """Hooks on a model's routers that answer each forward's top-k with `routes`, (tokens, layers, k) for the tokens
+    of the forward in the order the routers take them (the batch flattened, or packed), set before it with `set`.
+    Every router counts into `counts` [decisions that differ from the routes, decisions compared] over tokens whose
+    route is known, and with `force` picks the routes' experts, weighted by its own probabilities of them. The hooks
+    stay on the model: a backward pass that recomputes a checkpointed layer (--gradient_checkpointing) routes it as
+    its forward did. Without routes (None), or a forward of another number of tokens, the routers route by
+    themselves."""
 
-    def topk_of(router, layer):
+    def __init__(self, model):
+        self.routes, self.force, self.counts = None, False, [0, 0]
+        self.routers = trainer_routers(model)
+        self.handles = []
+        for layer, router in enumerate(self.routers):
+            self.handles += [router.register_forward_pre_hook(lambda m, a, layer=layer: self._patch(m, layer)),
+                             router.register_forward_hook(lambda m, a, out: self._restore())]
+
+    def set(self, routes: torch.Tensor | None, force: bool) -> None:
+        if routes is not None and self.routers and routes.shape[1] != len(self.routers):
+            raise ValueError(f"the engine routed through {routes.shape[1]} MoE layers, the trainer's model has "
+                             f"{len(self.routers)}: the engine and the trainer must run the same model")
+        self.routes, self.force = routes, force
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _patch(self, router, layer: int) -> None:
+        routes = self.routes
+
         def topk(input, k, dim=-1, largest=True, sorted=True):
-            own = original_topk(input, k, dim=dim, largest=largest, sorted=sorted)
-            if k != router.top_k or input.shape[-1] != router.num_experts or input.shape[0] != routes.shape[0]:
+            own = TOPK(input, k, dim=dim, largest=largest, sorted=sorted)
+            if (routes is None or k != router.top_k or input.shape[-1] != router.num_experts
+                    or input.shape[0] != routes.shape[0]):
                 return own  # another top-k of the router (a group choice), or a forward that is not the batch's
             given = routes[:, layer].to(device=input.device, dtype=torch.long)  # (tokens, k)
             known = (given >= 0).all(-1)
             differs = (given.sort(-1).values != own.indices.sort(-1).values).any(-1) & known
-            counts[0] += int(differs.sum())
-            counts[1] += int(known.sum())
-            if not force:
+            self.counts[0] += int(differs.sum())
+            self.counts[1] += int(known.sum())
+            if not self.force:
                 return own
             indices = torch.where(known[:, None], given, own.indices)
             return torch.return_types.topk((input.gather(-1, indices), indices))
-        return topk
 
-    def patch(topk):
-        def pre_hook(module, args):
-            torch.topk = topk
+        torch.topk = topk
 
-        def post_hook(module, args, output):
-            torch.topk = original_topk
-        return pre_hook, post_hook
+    def _restore(self) -> None:
+        torch.topk = TOPK
 
+
+@contextlib.contextmanager
+def replaying(model, routes: torch.Tensor | None, force: bool):
+    """A Replay of `routes` for the forwards within it; yields its counts."""
+    replay = Replay(model)
     try:
-        for layer, router in enumerate(routers):
-            pre_hook, post_hook = patch(topk_of(router, layer))
-            handles += [router.register_forward_pre_hook(pre_hook), router.register_forward_hook(post_hook)]
-        yield counts
+        replay.set(routes, force)
+        yield replay.counts
     finally:
-        torch.topk = original_topk
-        for handle in handles:
-            handle.remove()
+        replay.remove()

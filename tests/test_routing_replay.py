@@ -42,6 +42,8 @@ def trainer_logprobs(model, batch: dict, replay: bool = False, packing: bool = F
                                      top_p=top_p, keep_sampling_mask=keep_sampling_mask)
     with torch.no_grad():
         logprobs = worker._logprobs(batch)
+    if worker.replay:
+        worker.replay.remove()  # the next worker on this model hooks it anew
     return logprobs, worker.take_route_mismatch().get("moe/route_mismatch", float("nan"))
 
 
@@ -204,9 +206,37 @@ def test_each_router_kind_hands_its_block_the_given_experts_at_its_own_weights(f
     assert counts[1] == tokens * len(routers) and first <= counts[0] <= counts[1] - int(same.sum())
 
 
+def test_a_checkpointed_backward_routes_its_recomputation_as_the_forward(tmp_path):
+    """--gradient_checkpointing recomputes each layer in the backward pass, after the forward has returned: the
+    replayed experts must hold there too, or the gradient is taken through other experts than the loss used. The
+    router's gradient through ModelWorker._logprobs equals the unchecked forward's, and differs from the router's
+    own routing's."""
+    path = write_model("mixtral", str(tmp_path / "mixtral"))
+    torch.manual_seed(0)
+    ids = torch.randint(3, 300, (2, 9))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(9).expand(2, 9),
+             "action_mask": torch.ones(2, 8)}
+    batch["routes"] = torch.stack([torch.randperm(4)[:2] for _ in range(2 * 9 * 2)]).view(2, 9, 2, 2).to(torch.int16)
+
+    def router_gradients(checkpointing: bool, replay: bool) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        worker = ModelWorker.__new__(ModelWorker)
+        worker.engine = model
+        worker.args = argparse.Namespace(packing_samples=False, temperature=1.0, routing_replay=replay,
+                                         entropy_coef=0, keep_sampling_mask=False)
+        worker._logprobs(batch).sum().backward()
+        return torch.cat([r.weight.grad.flatten() for r in routing_replay.trainer_routers(model)])
+
+    replayed = router_gradients(False, True)
+    torch.testing.assert_close(router_gradients(True, True), replayed)
+    assert not torch.allclose(router_gradients(False, False), replayed)
+
+
 def test_replay_is_refused_where_it_cannot_apply(tiny_model, tmp_path):
     mixtral = write_model("mixtral", str(tmp_path / "mixtral"))
-    args = argparse.Namespace(routing_replay=True, pretrain=tiny_model, gradient_checkpointing=False)
+    args = argparse.Namespace(routing_replay=True, pretrain=tiny_model, gradient_checkpointing=False, ptx_data=None)
     with pytest.raises(UserError, match="dense model"):
         routing_replay.check_flags(args)
     jamba = str(tmp_path / "jamba")  # experts behind a plain nn.Linear router, which the replay cannot force
@@ -216,5 +246,7 @@ def test_replay_is_refused_where_it_cannot_apply(tiny_model, tmp_path):
     args.pretrain = mixtral
     routing_replay.check_flags(args)
     args.gradient_checkpointing = True
-    with pytest.raises(UserError, match="--gradient_checkpointing"):
+    routing_replay.check_flags(args)
+    args.ptx_data = "text.jsonl"
+    with pytest.raises(UserError, match="--gradient_checkpointing and --ptx_data"):
         routing_replay.check_flags(args)
