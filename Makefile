@@ -99,6 +99,7 @@ bench: setup
 	$(PY) bench/bench_ppo.py
 	$(PY) bench/bench_async.py
 	$(PY) bench/bench_lora.py
+	$(PY) bench/bench_sampler_mismatch.py
 
 lint: setup
 	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt

@@ -12,7 +12,8 @@ clipping with DAPO's clip-higher and dual-clip, value clipping; DAPO's dynamic s
 al. 2025); truncated importance sampling against vLLM (Yao et al. 2025), and decoupled PPO for --async_rollouts
 (Hilton et al. 2021); an entropy bonus and InstructGPT's ptx loss. --policy_loss swaps the clipped surrogate for
 GSPO, CISPO, GMPO or SAPO, --vllm_is_kind for IcePop or sequence-masked TIS, and --teacher_pretrain adds on-policy
-distillation's per-token reward. docs/ppo.md lists every implementation detail.
+distillation's per-token reward. --routing_replay (R3) and --keep_sampling_mask (DeepSeek-V3.2) make the trainer score
+the experts and the top-p support vLLM sampled with. docs/ppo.md lists every implementation detail.
 
     python ppo_ray.py --pretrain SFT --reward_pretrain RM --prompt_data prompts.jsonl --apply_chat_template
     deepspeed ppo_ray.py ...        # the same: the launcher's rank 0 drives, its others exit; Ray starts workers
@@ -33,7 +34,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from common import lora, memory_plan, output_lock, rewards
+from common import lora, memory_plan, output_lock, rewards, routing_replay
 from common import ppo_tricks as tricks
 from common.args import Interrupted, UserError, parse_args, run_main
 from common.checkpoint import (SaveFailed, check_driver_resume, checkpoint_dir, load_driver_checkpoint,
@@ -102,6 +103,8 @@ class Args:
     """sampling temperature (the trainer's log-probs use the same)"""
     top_p: float = 1.0
     """nucleus sampling"""
+    keep_sampling_mask: bool = False
+    """with --top_p < 1, every log-prob (old, new, reference) over the top-p support vLLM sampled from, renormalised"""
     normalize_reward: bool = True
     """normalise reward-model scores with the mean/std rm.py stored"""
     reward_clip: float = 10.0
@@ -255,6 +258,8 @@ class Args:
     """CPUs for each worker and engine on a machine without GPUs"""
     vllm_gpu_memory_utilization: float = 0.85
     """share of each GPU vLLM may take for weights and KV cache (lower it when models share the GPUs)"""
+    routing_replay: bool = False
+    """mixture of experts: the trainer's MoE layers use the experts vLLM routed each token to (R3; docs/ppo.md)"""
     vllm_dtype: Literal["trainer", "bfloat16", "float16", "float32"] = "trainer"
     """precision the engines generate in: the trainers' (bfloat16 on GPUs that have it, else float32), or another"""
     gpu_memory_gib: float = 80.0
@@ -467,8 +472,9 @@ def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], pad_id: 
         action_mask[i, p - 1: len(row) - 1] = torch.tensor(policy_masks[i], dtype=action_mask.dtype)
         vllm_lp[i, p - 1: p - 1 + len(vllm_logprobs[i])] = torch.tensor(vllm_logprobs[i])
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    routes = routing_replay.batch_routes(samples, length)  # (batch, seq, MoE layers, k), the experts vLLM chose
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "action_mask": action_mask, "vllm_logprobs": vllm_lp}
+            "action_mask": action_mask, "vllm_logprobs": vllm_lp, **({"routes": routes} if routes is not None else {})}
 
 
 @functools.cache
@@ -548,6 +554,7 @@ def make_experience(args: Args, cluster, prompts: list[dict], samples: list[list
         old_logprobs = experience["old_logprobs"] = gather(actor, actor_logprobs, rows)
         token_kl = tricks.kl_penalty(old_logprobs, experience.get("ref_logprobs", old_logprobs), args.kl_estimator)
         metrics.update(old_logprob_metrics(args, old_logprobs, experience, mask))
+        metrics.update(mean_over_ranks(actor.get(actor.call("take_route_mismatch"))))
         if args.vllm_is_correction or args.async_rollouts:
             experience["is_weights"], correction = vllm_correction(args, old_logprobs, batch["vllm_logprobs"], mask)
             metrics.update(correction)
@@ -646,6 +653,8 @@ class ActorWorker(ModelWorker):
                 losses.append(loss.item())
                 aux_losses.append(float(aux))
         (update, update_weights), (sampled, sampled_weights) = batch_means(means), batch_means(on_policy)
+        mismatch = self.take_route_mismatch()  # of the sampling weights where this fit scored them first
+        sampled.update(mismatch if on_policy else {})  # else the experience's pass measured it
         aux_loss = {"policy/aux_loss": sum(aux_losses) / len(aux_losses)} if any(aux_losses) else {}
         return {"loss/policy_avg": sum(losses) / len(losses), "policy/lr": lr, **update, **sampled, **aux_loss,
                 "weights": {**update_weights, **sampled_weights}}

@@ -12,8 +12,10 @@ which keep whole-model gradients on every GPU. Their activations come on top: th
 micro-batch kept for backward (with --gradient_checkpointing, each layer's input and one layer's whole). Frozen
 roles (reference, reward models) hold bf16 weights partitioned over their ranks (in CPU memory with --ref_offload)
 plus the gathered largest layer. A forward over the vocabulary adds its logits: bf16, their fp32 copy and the fp32
-logsumexp work of one micro-batch. The GPUs are taken to compute in bf16 (Ampere and later), and the engines too
-unless --vllm_dtype float32 (twice the bytes for their weights and KV cache). A vLLM engine takes
+logsumexp work of one micro-batch; with --routing_replay the actor's micro-batch carries each token's experts too
+(an int16 per MoE layer and expert: 128 bytes a token for Mixtral-8x7B). The GPUs are taken to compute in bf16
+(Ampere and later), and the engines too unless --vllm_dtype float32 (twice the bytes for their weights and KV
+cache). A vLLM engine takes
 --vllm_gpu_memory_utilization of each of its GPUs, in which its shard of the weights, its own working memory and a
 KV cache must fit. Colocated roles add up on their GPUs; with --colocate_all the engines count at their full share,
 as they need it free when they start and wake.
@@ -32,6 +34,7 @@ from transformers.pytorch_utils import Conv1D
 from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
 
+from common import routing_replay
 from common.args import UserError, config_file
 from common.ppo_tricks import uses_reference
 
@@ -101,7 +104,10 @@ def model_sizes(config, scalar_head: bool = False) -> dict:
     lora_per_rank = sum(sum(m.weight.shape) for m in model.base_model.modules()
                         if isinstance(m, (torch.nn.Linear, Conv1D)))
     layer_activations = ACTIVATION_BYTES_PER_HIDDEN * hidden + ACTIVATION_BYTES_PER_INTERMEDIATE * width  # per token
+    # --routing_replay's experts of a token: an int16 per MoE layer and expert it goes to
+    routes_per_token = 2 * sum(router.top_k for router in routing_replay.trainer_routers(model))
     return {"params": params, "largest_layer": max(blocks + own), "kv_per_token": 2 * layers * kv_heads * head_dim * 2,
+            "routes_per_token": routes_per_token,
             "vocab": model.get_input_embeddings().weight.shape[0], "lora_per_rank": lora_per_rank,
             "quantized_4bit": quantized_4bit(model),
             "activations_per_token": {"all layers": layers * layer_activations,
@@ -229,7 +235,9 @@ def plan(args) -> dict:
     train_tokens = args.micro_train_batch_size * seq
     groups = {"actor": (n_actor, {"actor": {
         **trained(args, policy, n_actor, train_tokens),
-        "logits": logits(max(args.micro_train_batch_size, rollout_micro))}})}
+        "logits": logits(max(args.micro_train_batch_size, rollout_micro)),
+        "routes": max(args.micro_train_batch_size, rollout_micro) * seq * policy["routes_per_token"]
+        if getattr(args, "routing_replay", False) else 0}})}
 
     def put(group: str, gpus: int, role: str, need: dict) -> None:
         groups.setdefault(group, (gpus, {}))[1][role] = need

@@ -11,7 +11,7 @@ import random
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from common import lora, rewards
+from common import lora, rewards, routing_replay
 from common.args import check_packing
 from common.checkpoint import load_train_state, save_hf_model, save_train_state
 from common.data import generation_stop_ids
@@ -19,7 +19,7 @@ from common.deepspeed_utils import (device, ds_config, init_distributed, init_ev
                                     load_model, load_tokenizer, trained_zero_stage)
 from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, packed_token_values, response_start,
                              scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
-                             unpack_next_token)
+                             unpack_next_token, within_sampling_support)
 from common.ray_workers import RayWorker
 from common.weight_sync import (broadcast_weights_to_vllm, in_checkpoint_layout, init_weight_sync_group,
                                 iter_gathered_params)
@@ -64,7 +64,7 @@ def micro_batch(batch: dict, rows: list[int]) -> dict:
     mb = {}
     for key, value in batch.items():
         value = value[idx]
-        if value.dim() == 2:
+        if value.dim() >= 2:  # (rows, seq or seq - 1, ...)
             value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
         mb[key] = value.to(device())
     return mb
@@ -84,6 +84,9 @@ def in_length_order(batch: dict, size: int, forward, width: int | None = None) -
 class ModelWorker(RayWorker):
     """One rank of a model: the reference or a reward model as it is, the actor and critic with their `fit`."""
 
+    routes_from_vllm = True  # the policy's forwards take the experts vLLM chose (common/routing_replay.py)
+    replay = None  # their routing_replay.Replay, made at the first batch that carries routes
+
     def setup(self, args, path: str, total_steps: int | None = None, learning_rate: float = 0.0,
               scalar_head_flag: str | None = None):
         """Load `path` as this rank's share of a ZeRO model: trained when `total_steps` is given, else frozen; with
@@ -93,6 +96,7 @@ class ModelWorker(RayWorker):
             # here, where the model loads: a driver on a CPU head node (--ray_address) sees neither CUDA nor flash-attn
             check_packing(path, scalar_head_flag or "--pretrain")
         self.args, self.ptx = args, None
+        self.routes_from_vllm = trainable  # a frozen model (reference, teacher) routes by itself
         self.rank, self.world_size, self.local_rank = init_distributed()
         torch.manual_seed(args.seed)
         config = train_or_eval_config(args, self.world_size, trainable)
@@ -135,8 +139,17 @@ class ModelWorker(RayWorker):
         else:
             input_ids, attention_mask, position_ids = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
             start = response_start(batch["action_mask"])
+        routes = batch.get("routes") if self.routes_from_vllm else None  # (rows, seq, MoE layers, k)
+        if routes is not None:  # in the order the routers take the tokens: the rows flattened, or packed
+            routes = routes.flatten(0, 1)[index] if self.args.packing_samples else routes.flatten(0, 1)
+        if routes is not None and self.replay is None:
+            self.replay = routing_replay.Replay(self.engine)
+        if self.replay:  # until the next forward: a checkpointed layer's recomputation routes as this forward did
+            self.replay.set(routes, self.args.routing_replay)
         logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
+        if self.args.keep_sampling_mask:  # and its top-p support, renormalised as vLLM did
+            logits = within_sampling_support(logits, input_ids[:, start + 1:], self.args.top_p)
         outputs = [token_logprobs(logits, input_ids[:, start + 1:])]  # (rows, seq - 1 - start)
         if with_entropy:
             # Logged only at --entropy_coef 0: no graph, which would keep two fp32 (batch, seq, vocab) tensors
@@ -158,8 +171,16 @@ class ModelWorker(RayWorker):
     @torch.no_grad()
     def reference_logprobs(self, batch: dict) -> torch.Tensor:
         """With --lora_rank the reference is the actor's own frozen model, adapters off: no reference workers."""
-        with lora.reference(self.engine):
-            return self.logprobs(batch)
+        with lora.reference(self.engine):  # the frozen model routes by itself
+            return self.logprobs({key: value for key, value in batch.items() if key != "routes"})
+
+    def take_route_mismatch(self) -> dict:
+        """moe/route_mismatch of the policy's forwards since the last call: the share of (token, MoE layer)
+        decisions whose top-k experts differ from vLLM's (nothing for a dense model)."""
+        if self.replay is None:
+            return {}
+        (differ, compared), self.replay.counts = self.replay.counts, [0, 0]
+        return {"moe/route_mismatch": differ / compared} if compared else {}
 
     # --- scalar heads (critic, reward models)
     def _normalizes(self) -> bool:

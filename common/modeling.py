@@ -17,6 +17,27 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def within_sampling_support(logits: torch.Tensor, labels: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The logits with every token outside vLLM's top-p support at the float minimum, so that a softmax of them is
+    the distribution vLLM sampled from: (batch, seq, vocab), labels (batch, seq).
+
+    DeepSeek-V3.2's "keep sampling mask": vLLM draws from the smallest set of tokens, by probability, whose mass
+    reaches top_p, renormalised, and with logprobs_mode processed_logprobs returns log-probs of that distribution.
+    The support is rebuilt here from these logits by vLLM's rule (sorted ascending, a token dropped while the mass up
+    to and including it is at most 1 - top_p, the most likely token always kept) rather than carried from the
+    engine: a vocabulary-wide mask per token would cost vocab / 8 bytes a token (19 KB at 150k), and the rebuilt one
+    differs from vLLM's only where a token sits on the boundary within rounding. The sampled token (`labels`) always
+    stays in, so that its log-prob is finite when the update's policy has moved its support.
+    """
+    with torch.no_grad():
+        ascending, order = logits.sort(dim=-1)
+        dropped = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # (batch, seq, vocab) in ascending order
+        dropped[..., -1] = False
+        outside = torch.zeros_like(dropped).scatter_(-1, order, dropped)
+        outside.scatter_(-1, labels.unsqueeze(-1), False)
+    return logits.masked_fill(outside, torch.finfo(logits.dtype).min)
+
+
 def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None, start: int = 0) -> torch.Tensor:
     """Log-prob of each token given the ones before it: (batch, seq - 1), entry t is for token t + 1; 0 before entry
     `start`, whose logits next_token_logits skips (response_start of the loss mask: the prompts need none)."""

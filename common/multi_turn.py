@@ -19,6 +19,7 @@ template a reply becomes a user turn, rendered by the template itself (`reply_id
 appended as it is, and the environment formats it.
 """
 
+from common import routing_replay
 from common.args import UserError
 from common.deadlines import REWARD_TIMEOUT_S, call_within
 from common.data import SENTINEL, decode_response, render_prompt  # SENTINEL: a turn whose end the template shows
@@ -119,6 +120,8 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
             e["env_mask"] += [1] * len(tokens)
             e["turns"] += 1
             e["finish_reason"] = out["finish_reason"]
+            if "routes" in out:  # a mixture of experts: each turn's experts kept for the tokens it first computed
+                e["routes"] = routing_replay.extend_routes(e.get("routes"), out["routes"])
             reply, reward, done = checked_step(e["env"], decode_response(tokenizer, before, tokens), timeout)
             e["reward"] += reward
             if done or turn == max_turns - 1 or out["finish_reason"] == "length":
@@ -134,5 +137,5 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
             e["logprobs"] += [0.0] * len(more)
             e["env_mask"] += [0] * len(more)
     fields = ("prompt_ids", "token_ids", "logprobs", "env_mask", "reward", "turns", "finish_reason")
-    samples = [{k: e[k] for k in fields} for e in episodes]
+    samples = [{k: e[k] for k in (*fields, "routes") if k in e} for e in episodes]
     return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]

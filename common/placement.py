@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from common import lora
+from common import lora, routing_replay
 from common.args import UserError, stop_on_sigterm
 from common.deepspeed_utils import mpi_launch
 from common.model_worker import ModelWorker
@@ -146,8 +146,11 @@ def place_roles(args, total_actor_steps: int, actor_cls, critic_cls) -> Cluster:
         max_model_len=args.prompt_max_len + args.generate_max_len, placement_group=shared,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         enable_sleep_mode=args.colocate_all and use_gpus(), num_cpus_per_engine=cpus,
-        enforce_eager=not use_gpus(), dtype=None if args.vllm_dtype == "trainer" else args.vllm_dtype,
-        logprobs_mode="processed_logprobs", wait_until_ready=False, stop_at_end_of_turn=args.apply_chat_template)
+        # --routing_replay: CUDA graphs replay without running the routers' Python, which records the experts
+        enforce_eager=not use_gpus() or args.routing_replay,
+        dtype=None if args.vllm_dtype == "trainer" else args.vllm_dtype,
+        logprobs_mode="processed_logprobs", wait_until_ready=False, stop_at_end_of_turn=args.apply_chat_template,
+        **(routing_replay.engine_kwargs() if args.routing_replay else {}))
     warm_up = [engine.warm_up.remote() for engine in engines]  # each runs once its engine has started
     sleep = SleepSchedule(engines, enabled=args.colocate_all)  # a recorded no-op where vLLM cannot sleep
     if args.colocate_all:  # asleep before the models load into the memory the engines give back

@@ -1,6 +1,6 @@
 """ppo_ray.py's flag and model checks, run before Ray starts: each mistake a user can make is one sentence."""
 
-from common import rewards
+from common import rewards, routing_replay
 from common.args import (UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
                          check_output_dir, check_packing)
 from common.checkpoint import check_keep_last
@@ -40,6 +40,10 @@ def check_args(args) -> None:
         raise UserError(f"--temperature {args.temperature} --top_p {args.top_p}: the trainer's log-probs divide "
                         f"by the temperature and the policy must keep some tokens; give a temperature above 0 "
                         f"(1.0 samples the policy as it is) and a top_p in (0, 1] (evaluation is greedy anyway).")
+    if args.keep_sampling_mask and args.top_p >= 1:
+        raise UserError(f"--keep_sampling_mask scores tokens over the top-p support vLLM sampled from, and --top_p "
+                        f"{args.top_p} samples from the whole vocabulary; give --top_p below 1 (e.g. 0.9), or leave "
+                        f"the flag out.")
     if args.kl_target is not None and not (args.kl_target > 0 and args.init_kl_coef > 0):
         raise UserError(f"--kl_target {args.kl_target} with --init_kl_coef {args.init_kl_coef}: the adaptive "
                         f"controller scales the coefficient up and down from --init_kl_coef, so both must be above "
@@ -106,6 +110,7 @@ def check_args(args) -> None:
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
     check_model_path(args.pretrain)
     check_causal_lm(args.pretrain)
+    routing_replay.check_flags(args)
     if args.packing_samples:  # the reward models score padded rows
         check_packing(args.pretrain)
         if args.advantage_estimator == "gae" and critic_path(args) != args.pretrain:  # the critic trains packed

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from common.args import UserError, check_model_path, config_file
 from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
+from common.routing_replay import attach_routes, start_capture, take_routes
 from common.ray_workers import WorkerHung, bundle_nodes, check_alive, tensor_parallel_bundles, use_gpus, wait
 from common.weight_sync import SYNC_TIMEOUT, checkpoint_tensor_names, device_placement
 
@@ -136,6 +137,7 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             **llm_kwargs,
         )
+        self.moe_layers = self.llm.collective_rpc(start_capture)[0]  # each sample's experts (routing_replay.py)
         # every sample stops there too, besides the EOS and generation_config's tokens (data.generation_stop_ids)
         self.stop_token_ids = generation_stop_ids(self.llm.get_tokenizer(), True) if stop_at_end_of_turn else []
 
@@ -171,7 +173,8 @@ class VLLMEngine:
                  **sampling_kwargs) -> list[list[dict]]:
         """Sample `n` continuations of every prompt; result[i][j] is sample j of prompt i.
 
-        Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str}, where
+        Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str, and on a
+        mixture of experts "routes": the experts each fed token went to, common/routing_replay.py}, where
         logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
         before temperature and top_p). `max_tokens` may be one limit per prompt. `seeds`, one per prompt, gives each
         prompt a random stream of its own (sample j draws from seeds[i] + j, vLLM's rule for n > 1): its samples then
@@ -199,8 +202,9 @@ class VLLMEngine:
         else:
             params = params_for(max_tokens, None)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
+        routes = attach_routes(outputs, self.llm.collective_rpc(take_routes)[0]) if self.moe_layers else None
         results = []
-        for output in outputs:
+        for i, output in enumerate(outputs):
             samples = []
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 token_ids = list(completion.token_ids)
@@ -209,6 +213,8 @@ class VLLMEngine:
                     token_logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, completion.logprobs)]
                 samples.append({"token_ids": token_ids, "logprobs": token_logprobs,
                                 "finish_reason": completion.finish_reason})
+                if routes:
+                    samples[-1]["routes"] = routes[i][completion.index]
             results.append(samples)
         return results
 

@@ -199,6 +199,16 @@ def test_reward_flags_that_cannot_work_are_refused(script, extra, words, tiny_mo
 
 
 @pytest.mark.parametrize("extra,words", [
+    (["--routing_replay"], "is a dense model"),
+    (["--keep_sampling_mask"], "--top_p 1.0 samples from the whole vocabulary"),
+])
+def test_sampler_matching_flags_that_cannot_apply_are_refused(extra, words, tiny_model, task, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    code, stderr = run_in_process("ppo_ray", command("ppo_ray", tiny_model, task, out, *extra), capsys)
+    check_refused(code, stderr, words, out)
+
+
+@pytest.mark.parametrize("extra,words", [
     (["--loss_type", "dpo"], "--loss_type dpo is not one of sigmoid, ipo, hinge, robust, simpo, orpo"),
     (["--loss_type", "robust"], "--loss_type robust corrects for labels flipped at the rate --label_smoothing"),
     (["--loss_type", "simpo", "--ref_pretrain", "x"], "--loss_type simpo uses no reference model"),

@@ -280,6 +280,19 @@ def test_experts_are_counted_whole_and_a_token_s_activations_at_its_top_k():
     assert critic["params"] == mixtral["params"] - 64 * 32 + 32
 
 
+def test_routing_replay_counts_the_routes_each_token_carries():
+    """Mixtral-8x7B: 32 MoE layers x 2 experts a token, an int16 each; on the actor's micro-batch, only with the
+    flag, and nothing for a dense model."""
+    assert memory_plan.model_sizes(memory_plan.read_config(MIXTRAL, "--pretrain"))["routes_per_token"] == 32 * 2 * 2
+    assert memory_plan.model_sizes(memory_plan.read_config(LLAMA["8B"], "--pretrain"))["routes_per_token"] == 0
+    flags = ["--pretrain", MIXTRAL, "--advantage_estimator", "grpo", "--vllm_tensor_parallel_size", "4",
+             "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8"]
+    args = parse_args(ppo_ray.Args, flags)
+    assert memory_plan.plan(args)["actor"][1]["actor"]["routes"] == 0
+    args = parse_args(ppo_ray.Args, [*flags, "--routing_replay"])
+    assert memory_plan.plan(args)["actor"][1]["actor"]["routes"] == 8 * (256 + 64) * 128
+
+
 def test_gemma3_plans_its_language_model_and_counts_its_vision_tower(tmp_path):
     """transformers loads Gemma 3 as a causal LM with its vision tower (Gemma3ForConditionalGeneration): every
     weight counts, while the KV cache and activations are the language model's."""

