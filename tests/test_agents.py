@@ -145,7 +145,7 @@ def test_an_edited_history_starts_the_sequence_anew():
     def run_agent(base_url, question, label):
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": question}]
-        answer = client.chat.completions.create(model="policy", messages=messages)
+        client.chat.completions.create(model="policy", messages=messages)
         messages += [{"role": "assistant", "content": "8"}, {"role": "user", "content": "sure?"}]  # not what it said
         client.chat.completions.create(model="policy", messages=messages)
         return 0.5
@@ -188,12 +188,14 @@ def test_an_agent_that_fails_ends_its_episode_and_not_the_run(capsys):
         if label == "raises":
             raise ValueError("the sandbox is down")
         if label == "hangs":
-            threading.Event().wait(30)
+            threading.Event().wait(60)
         return behaviours[label]
 
     endpoint = AgentEndpoint(tokenizer, max_len=64, prompt_max_len=64, timeout=3)
+    start = time.monotonic()
     groups = endpoint.run_episodes(run_agent, [prompt("What is 1+1?", label) for label in behaviours], 2, generate)
     endpoint.close()
+    assert time.monotonic() - start < 20  # the hung agents were left behind at --agent_timeout
     good, *failed = groups
     assert [s["failed"] for s in good] == [False, False] and all(s["failed"] for g in failed for s in g)
     assert all(sum(s["env_mask"]) == 0 and s["reward"] == 0.0 for g in failed for s in g)  # no good one beside them
@@ -272,6 +274,7 @@ def test_tools_on_a_template_that_writes_no_calls_get_one_sentence():
 
 # ----------------------------------------------------------------------------------------------- on the real stack
 @pytest.mark.slow
+@pytest.mark.extended  # a ppo_ray run of its own: 107 s on 2 loaded cores, over the default tier's budget
 def test_ppo_ray_trains_on_an_openai_client_agents_episodes(tiny_model, task, tmp_path):
     """ppo_ray.py --agent_fn with the engines behind the endpoint: the trainer's log-probs of the episodes' sampled
     tokens are vLLM's own (a token shifted by one would differ by whole nats), over two requests an episode."""
@@ -279,7 +282,7 @@ def test_ppo_ray_trains_on_an_openai_client_agents_episodes(tiny_model, task, tm
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT_FILE)
     run_script("ppo_ray.py", [
-        "--pretrain", tiny_model, "--prompt_data", task["prompts"], "--apply_chat_template", "--output_dir", out,
+        "--pretrain", tiny_model, "--prompt_data", task["prompts_train"], "--apply_chat_template", "--output_dir", out,
         "--prompt_max_len", "64", "--generate_max_len", "24", "--agent_fn", f"{agent}:run_agent",
         "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
         "--train_batch_size", "8", "--micro_train_batch_size", "8", "--max_steps", "2"])
