@@ -184,12 +184,20 @@ class Batcher:
             raise RuntimeError("the vLLM engines failed while sampling for the agents")
         return answer["out"]
 
+    def stop(self) -> None:
+        """End the serving thread once the requests queued before are answered (a rollout's batcher serves it alone)."""
+        self.waiting.put(None)
+
     def serve(self) -> None:
         while True:
             batch = [self.waiting.get()]
             while not self.waiting.empty():
                 batch.append(self.waiting.get_nowait())
+            stopping = None in batch
+            batch = [b for b in batch if b is not None]
             try:
+                if not batch:
+                    return
                 seeds = [b[2] for b in batch]
                 outs = self.generate([b[0] for b in batch], [b[1] for b in batch],
                                      None if None in seeds else seeds)
@@ -199,6 +207,8 @@ class Batcher:
                 self.failure = e
             for b in batch:
                 b[3].set()
+            if stopping:
+                return
 
 
 class AgentEndpoint:
@@ -211,8 +221,7 @@ class AgentEndpoint:
         self.episodes: dict[str, Episode] = {}
         self.batcher, self.seed_of = None, None
         handler = type("Handler", (EndpointHandler,), {"endpoint": self})
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
+        self.server = EndpointServer(("127.0.0.1", 0), handler)
         threading.Thread(target=self.server.serve_forever, name="agent endpoint", daemon=True).start()
 
     def base_url(self, key: str) -> str:
@@ -239,6 +248,7 @@ class AgentEndpoint:
             e.closed = True  # a late request of a hung agent is refused
             if t.is_alive() and e.error is None:
                 e.error = f"did not return within {self.timeout:g} s (--agent_timeout)"
+        self.batcher.stop()
         if self.batcher.failure is not None:
             raise self.batcher.failure
         self.report(episodes)
@@ -351,6 +361,11 @@ class AgentEndpoint:
                              "token_ids": out["token_ids"]}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": sampled,
                           "total_tokens": len(prompt) + sampled}}
+
+
+class EndpointServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024  # a rollout's agents connect all at once
+    daemon_threads = True  # a hung agent's connection does not hold the process up
 
 
 class EndpointHandler(http.server.BaseHTTPRequestHandler):
