@@ -27,8 +27,9 @@ it) is looked for in each answer; what parses comes back as the answer's `tool_c
 ids (`prompt_token_ids`, and its choice's `token_ids`), which is what the episode recorded.
 
 An agent that raises, does not return within --agent_timeout seconds, or returns anything but a finite number fails
-its episode only: it is counted (env/failed_episodes) and the rollout says why once; its tokens are not trained on,
-and its reward is its group's mean, which leaves its group's baseline as it is. A rollout whose every episode failed
+its episode only: it is counted (env/failed_episodes) and the rollout says why once; none of its tokens is trained
+on, which also leaves it out of its group's baseline (as --overlong_filter's responses are), and its reward is its
+group's mean, so that the logged rewards are the other episodes'. A rollout whose every episode failed
 stops the run with the first failure's reason.
 """
 
@@ -254,7 +255,7 @@ class AgentEndpoint:
         self.report(episodes)
         samples = [e.as_sample() for e in episodes]
         groups = [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
-        for group in groups:  # a failed episode's reward leaves its group's mean as the others make it
+        for group in groups:  # the logged rewards are those of the episodes trained on
             ok = [s["reward"] for s in group if not s["failed"]]
             for s in group:
                 s["reward"] = s["reward"] if not s["failed"] else (sum(ok) / len(ok) if ok else 0.0)
@@ -293,12 +294,15 @@ class AgentEndpoint:
         messages, tools = body.get("messages"), body.get("tools")
         if not isinstance(messages, list) or not messages:
             raise UserError("the request has no 'messages'; send the conversation as a list of messages")
+        if tools and tool_call_markers(self.tokenizer.chat_template, self.tokenizer) is None:
+            raise UserError("the request sends tools but the policy's chat template writes no tool calls; give the "
+                            "model a template that renders them (Qwen's, Llama 3.1's), or send no tools")
         with episode.lock:
             prompt, continues = self.prompt_ids(episode, messages, tools)
             limit = self.max_len - (len(prompt) - len(episode.prompt_ids) if continues else 0)
             asked = body.get("max_completion_tokens") or body.get("max_tokens")
             limit = min(limit, int(asked)) if asked else limit
-            if episode.full or limit <= 0:  # no room for these messages and a turn after them
+            if (continues and episode.full) or limit <= 0:  # no room for these messages and a turn after them
                 episode.full, episode.finish_reason = True, "length"
                 return self.answer(prompt, {"token_ids": [], "logprobs": [], "finish_reason": "length"}, tools)
             seed = self.seed_of(episode.index, episode.requests) if self.seed_of else None
@@ -307,6 +311,7 @@ class AgentEndpoint:
                 raise UserError("the episode ended (--agent_timeout) while this request was sampled")
             if not continues:
                 episode.prompt_ids, episode.token_ids, episode.logprobs, episode.env_mask = prompt, [], [], []
+                episode.full = False
             else:
                 added = prompt[len(episode.prompt_ids) + len(episode.token_ids):]
                 episode.token_ids += added
@@ -347,9 +352,6 @@ class AgentEndpoint:
         """OpenAI's chat.completion for one sample, with the ids the episode recorded."""
         text = decode_response(self.tokenizer, prompt, out["token_ids"])
         markers = tool_call_markers(self.tokenizer.chat_template, self.tokenizer) if tools else None
-        if tools and markers is None:
-            raise UserError("the request sends tools but the policy's chat template writes no tool calls; give the "
-                            "model a template that renders them (Qwen's, Llama 3.1's), or send no tools")
         content, calls = parse_tool_calls(text, markers)
         message = {"role": "assistant", "content": content or (None if calls else ""),
                    **({"tool_calls": calls} if calls else {})}
