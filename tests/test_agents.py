@@ -415,18 +415,22 @@ def run_agent(base_url, prompt, label):
 
 
 AGENT_FILE = '''
+import itertools
+
 import openai
+
+EPISODES = itertools.count()
 
 
 def run_agent(base_url, prompt, label):
-    """Asks, then asks to check: two requests, the second continuing the first; fails where the sum ends in 3."""
+    """Asks, then asks to check: two requests, the second continuing the first; every other episode fails."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": prompt}]
     for _ in range(2):
         answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
         messages += [{"role": "assistant", "content": answer.choices[0].message.content},
                      {"role": "user", "content": "check it"}]
-    if label.endswith("3"):
+    if next(EPISODES) % 2:
         raise RuntimeError("the grader is down")
     return float(label in answer.choices[0].message.content)
 '''
