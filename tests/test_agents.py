@@ -364,7 +364,7 @@ def test_an_agent_learns_to_call_its_calculator(tiny_model, tmp_path):
             f.writelines(json.dumps(row) + "\n" for row in rows)
     sft = str(tmp_path / "sft")
     run_script("sft.py", ["--pretrain", start, "--dataset", files["sft"], "--input_key", "messages",
-                          "--apply_chat_template", "--max_len", "128", "--max_steps", "300", "--train_batch_size",
+                          "--apply_chat_template", "--max_len", "128", "--max_steps", "200", "--train_batch_size",
                           "32", "--micro_train_batch_size", "32", "--learning_rate", "2e-3", "--warmup_ratio", "0.05",
                           "--seed", str(SEED), "--output_dir", sft])
     agent = tmp_path / "agent.py"
@@ -373,8 +373,8 @@ def test_an_agent_learns_to_call_its_calculator(tiny_model, tmp_path):
     run_script("ppo_ray.py", [
         "--pretrain", sft, "--prompt_data", files["prompts"], "--apply_chat_template", "--output_dir", out,
         "--prompt_max_len", "64", "--generate_max_len", "128", "--agent_fn", f"{agent}:run_agent",
-        "--advantage_estimator", "grpo", "--n_samples_per_prompt", "8", "--rollout_batch_size", "32",
-        "--train_batch_size", "256", "--micro_train_batch_size", "64", "--actor_learning_rate", "1e-3",
+        "--advantage_estimator", "grpo", "--n_samples_per_prompt", "8", "--rollout_batch_size", "16",
+        "--train_batch_size", "128", "--micro_train_batch_size", "64", "--actor_learning_rate", "1e-3",
         "--init_kl_coef", "0.001", "--max_steps", "8", "--seed", str(SEED)])
     log = [m for m in metrics(out) if "objective/scores" in m]
     assert max(m["vllm/logprob_diff"] for m in log) < 1e-4, [m["vllm/logprob_diff"] for m in log]
