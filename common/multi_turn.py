@@ -21,8 +21,7 @@ appended as it is, and the environment formats it.
 
 from common.args import UserError
 from common.deadlines import REWARD_TIMEOUT_S, call_within
-# SENTINEL: a turn whose end the template shows
-from common.data import SENTINEL, chat_text, decode_response, render_prompt
+from common.data import SENTINEL, chat_text, decode_response, render_prompt  # SENTINEL: where a turn ends
 
 
 def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None) -> list[int]:

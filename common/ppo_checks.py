@@ -33,7 +33,7 @@ def check_args(args) -> None:
         if args.agent_fn and not args.apply_chat_template:
             raise UserError("--agent_fn's agents send chat messages, which the policy's chat template renders; add "
                             "--apply_chat_template.")
-        if args.agent_timeout <= 0:
+        if args.agent_fn and args.agent_timeout <= 0:
             raise UserError(f"--agent_timeout {args.agent_timeout} gives an agent no time; give the seconds an "
                             f"episode may take, e.g. 600.")
         if args.env_fn and args.max_turns < 1:

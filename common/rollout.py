@@ -14,8 +14,8 @@ import random
 import torch
 
 from common import multi_turn, rewards
-from common.agents import AgentEndpoint, agent_function
 from common import ppo_tricks as tricks
+from common.agents import AgentEndpoint, agent_function
 from common.logging_utils import timed
 from common.vllm_engine import collect, generate, start_generate, wait_for
 
