@@ -5,21 +5,16 @@ The fast tests put a scripted policy behind the endpoint (as tests/test_multi_tu
 
 import json
 import os
-import random
 import re
-import shutil
 import threading
 import time
 
 import openai
 import pytest
-import torch
-from conftest import SEED, expect, metrics, run_script
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import metrics, run_script
 
 from common.agents import AgentEndpoint, parse_tool_calls, tool_call_markers
 from common.args import UserError
-from common.data import load_records
 from common.tiny_model import build_tokenizer
 
 # Qwen2.5's (and Hermes') way with tools, on the tiny ChatML tokenizer: the tools in a system turn, a call as JSON
@@ -299,92 +294,7 @@ def test_ppo_ray_trains_on_an_openai_client_agents_episodes(tiny_model, task, tm
     assert os.path.exists(os.path.join(out, "config.json"))
 
 
-# The tiny models' own format with tool calls: a call is JSON between <tool_call> tags after the content, a tool's
-# result a user turn "result: ...". The tools' definitions are not written: the SFT data teaches the one calculator.
-DEFAULT_TOOLS_TEMPLATE = (
-    "{{ bos_token }}{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}{{ '<|user|>\\nresult: ' + m.content + eos_token }}"
-    "{%- else %}{{ '<|' + m.role + '|>\\n' + m.content }}{%- for c in m.tool_calls or [] %}<tool_call>"
-    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>"
-    "{%- endfor %}{{ eos_token }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
-
-
-def three_digit_sums(count: int, seed: int) -> list[dict]:
-    """Sums the tiny model cannot do in its head, and a calculator does."""
-    rng = random.Random(seed)
-    return [{"prompt": f"What is {a}+{b}?", "label": str(a + b)}
-            for a, b in ((rng.randint(100, 999), rng.randint(100, 999)) for _ in range(count))]
-
-
-def tool_use_rate(model_dir: str, rows: list[dict], samples: int = 4) -> float:
-    """The share of sampled first answers (temperature 1, as in training) that call the calculator."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    torch.manual_seed(SEED)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True) for r in rows]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        ids = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12,
-                             num_return_sequences=samples, pad_token_id=tokenizer.pad_token_id)
-    answers = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return sum(a.startswith("<tool") for a in answers) / len(answers)
-
-
-@pytest.mark.slow
-@pytest.mark.learning
-@pytest.mark.extended  # an SFT and a GRPO run of its own
-def test_an_agent_learns_to_call_its_calculator(tiny_model, tmp_path):
-    """Three-digit sums, and an OpenAI-client agent with a calculator tool: the SFT model calls the tool in a
-    quarter of its demonstrations and answers in its head otherwise (mostly wrong: these sums are beyond it). GRPO
-    on the final answer's correctness, the calls and the tool's results as requests of one episode, makes it call
-    the calculator more often."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.chat_template = DEFAULT_TOOLS_TEMPLATE
-    start = str(tmp_path / "tools_model")
-    shutil.copytree(tiny_model, start)
-    tokenizer.save_pretrained(start)
-    rng = random.Random(SEED)
-    demonstrations = []
-    for r in three_digit_sums(4000, SEED):
-        if rng.random() < 0.25:
-            expression = r["prompt"][len("What is "):-1]
-            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-            demonstrations.append({"messages": [
-                {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "content": r["label"]}, {"role": "assistant", "content": r["label"]}]})
-        else:
-            demonstrations.append({"messages": [{"role": "user", "content": r["prompt"]},
-                                                {"role": "assistant", "content": r["label"]}]})
-    files = {name: str(tmp_path / f"{name}.jsonl") for name in ("sft", "prompts", "held_out")}
-    for name, rows in (("sft", demonstrations), ("prompts", three_digit_sums(512, SEED + 1)),
-                       ("held_out", three_digit_sums(64, SEED + 2))):
-        with open(files[name], "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    sft = str(tmp_path / "sft")
-    run_script("sft.py", ["--pretrain", start, "--dataset", files["sft"], "--input_key", "messages",
-                          "--apply_chat_template", "--max_len", "128", "--max_steps", "200", "--train_batch_size",
-                          "32", "--micro_train_batch_size", "32", "--learning_rate", "2e-3", "--warmup_ratio", "0.05",
-                          "--seed", str(SEED), "--output_dir", sft])
-    agent = tmp_path / "agent.py"
-    agent.write_text(CALCULATOR_AGENT_FILE)
-    out = str(tmp_path / "grpo")
-    run_script("ppo_ray.py", [
-        "--pretrain", sft, "--prompt_data", files["prompts"], "--apply_chat_template", "--output_dir", out,
-        "--prompt_max_len", "64", "--generate_max_len", "128", "--agent_fn", f"{agent}:run_agent",
-        "--advantage_estimator", "grpo", "--n_samples_per_prompt", "8", "--rollout_batch_size", "16",
-        "--train_batch_size", "128", "--micro_train_batch_size", "64", "--actor_learning_rate", "1e-3",
-        "--init_kl_coef", "0.001", "--max_steps", "8", "--seed", str(SEED)])
-    log = [m for m in metrics(out) if "objective/scores" in m]
-    assert max(m["vllm/logprob_diff"] for m in log) < 1e-4, [m["vllm/logprob_diff"] for m in log]
-    held_out = load_records(files["held_out"])
-    before, after = tool_use_rate(sft, held_out), tool_use_rate(out, held_out)
-    print(f"calculator calls: SFT {before:.2f}, GRPO {after:.2f}", [round(m['objective/scores'], 3) for m in log])
-    expect("agents: share of first answers calling the calculator, trained - SFT", after - before, ">=", 0.2)
-
-
-CALCULATOR_AGENT_FILE = '''
+AGENT_FILE = '''
 import json
 
 import openai
