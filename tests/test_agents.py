@@ -273,8 +273,7 @@ def test_tools_on_a_template_that_writes_no_calls_get_one_sentence():
 
 
 # ----------------------------------------------------------------------------------------------- on the real stack
-@pytest.mark.slow
-@pytest.mark.extended  # a ppo_ray run of its own: 107 s on 2 loaded cores, over the default tier's budget
+@pytest.mark.slow  # a ppo_ray run of its own: 30 s on 2 cores at load 4 (107 s at load 8)
 def test_ppo_ray_trains_on_an_openai_client_agents_episodes(tiny_model, task, tmp_path):
     """ppo_ray.py --agent_fn with the engines behind the endpoint: the trainer's log-probs of the episodes' sampled
     tokens are vLLM's own (a token shifted by one would differ by whole nats), over two requests an episode; the
