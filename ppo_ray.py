@@ -49,7 +49,7 @@ from common.placement import connect, drives_the_run, place_roles, start_ray
 from common.ppo_checks import check_args, check_tokenizers
 from common.ppo_tricks import clip_range, uses_reference  # one predicate for this script and the memory plan
 from common.ray_workers import WorkerDied, gather, shard, use_gpus
-from common.rollout import Rollouts, env_factory, generated_tokens, sync_weights
+from common.rollout import Rollouts, agent_function, env_factory, generated_tokens, sync_weights
 from common.vllm_engine import EngineDied, engine_dtype, engine_gap_line, shutdown_engines
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
@@ -154,6 +154,10 @@ class Args:
     """a reward model served over HTTP: POST {prompts, responses, labels} -> {rewards}"""
     env_fn: str | None = None
     """a multi-turn environment instead of the reward sources, 'path.py:make_env' (see common/multi_turn.py)"""
+    agent_fn: str | None = None
+    """an OpenAI-client agent instead of the reward sources, 'path.py:run_agent' (see common/agents.py)"""
+    agent_timeout: float = 600.0
+    """seconds an --agent_fn episode may take before it fails (the run goes on without it)"""
     reward_timeout: float = 600.0
     """seconds a --reward_fn call, or an --env_fn environment's reset or step, may take before the run stops"""
     max_turns: int = 4
@@ -489,9 +493,10 @@ def score(args: Args, cluster, prompts: list[dict], samples: list[list[dict]], t
     weighted reward sources (or with --env_fn each episode's summed reward) clipped to --reward_clip, plus
     --overlong_buffer_len's penalty where `overlong`."""
     episodes = [s for group in samples for s in group]
-    if args.env_fn:
+    if args.env_fn or args.agent_fn:
         scores = torch.tensor([e["reward"] for e in episodes], dtype=torch.float)
-        metrics = {"rewards/env": scores.mean(), "env/turns": sum(e["turns"] for e in episodes) / len(episodes)}
+        metrics = {"rewards/env": scores.mean(), "env/turns": sum(e["turns"] for e in episodes) / len(episodes),
+                   "env/failed_episodes": sum(e.get("failed", False) for e in episodes)}
     elif not (args.reward_pretrain or args.reward_fn or args.remote_rm_url):  # --teacher_pretrain's reward alone
         scores, metrics = torch.zeros(len(episodes)), {}
     else:
@@ -799,6 +804,8 @@ def main(args: Args):
     reward_fn = rewards.load_reward_fn(args.reward_fn, timeout=args.reward_timeout) if args.reward_fn else None
     if args.env_fn:
         env_factory(args.env_fn)  # a wrong path or name stops the run here, before Ray starts
+    if args.agent_fn:
+        agent_function(args.agent_fn)
     tokenizer = load_tokenizer(args.pretrain)
     check_tokenizers(args, tokenizer)
     prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split)

@@ -22,23 +22,27 @@ appended as it is, and the environment formats it.
 from common import routing_replay
 from common.args import UserError
 from common.deadlines import REWARD_TIMEOUT_S, call_within
-from common.data import SENTINEL, decode_response, render_prompt  # SENTINEL: a turn whose end the template shows
+from common.data import SENTINEL, chat_text, decode_response, render_prompt  # SENTINEL: where a turn ends
 
 
 def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None) -> list[int]:
-    """The tokens that follow a policy turn when the environment replies `reply`.
-
-    With a chat template: whatever the template writes after an assistant message up to the next assistant turn's
-    opening, i.e. the end-of-turn marker (and the newline some templates put after it), the reply as a user message,
-    and the generation prompt. `closed_by`: the text of the special token that ended the policy's turn (vLLM stops
-    at the end-of-turn token and keeps it), which is then not written twice, nor the whitespace a template writes
-    before it (the policy's turn, up to its end token, is the policy's own).
-    """
+    """The tokens that follow a policy turn when the environment replies `reply`: with a chat template, the reply as a
+    user message (continuation_ids); without one, its text as it is."""
     if not chat_template:
         return tokenizer(reply, add_special_tokens=False)["input_ids"]
-    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL},
-                {"role": "user", "content": reply}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return continuation_ids(tokenizer, [{"role": "user", "content": reply}], closed_by)
+
+
+def continuation_ids(tokenizer, messages: list[dict], closed_by: str | None, tools: list | None = None) -> list[int]:
+    """The tokens that follow a policy turn when `messages` come after it (a user's reply, tools' results): whatever
+    the chat template writes after an assistant message up to the next assistant turn's opening, i.e. the end-of-turn
+    marker (and the newline some templates put after it), the messages, and the generation prompt. `closed_by`: the
+    text of the special token that ended the policy's turn (vLLM stops at the end-of-turn token and keeps it), which
+    is then not written twice, nor the whitespace a template writes before it (the policy's turn, up to its end
+    token, is the policy's own). `tools`: the tool definitions the template is rendered with (common/agents.py).
+    """
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL}, *messages]
+    text = chat_text(tokenizer, conversation, add_generation_prompt=True, **({"tools": tools} if tools else {}))
     after = text[text.index(SENTINEL) + len(SENTINEL):]
     if closed_by and after.lstrip().startswith(closed_by):  # Llama-2 writes " " + eos_token after the content
         after = after.lstrip()[len(closed_by):]

@@ -13,6 +13,7 @@ ASYNC_CLASHES = {
     "colocate_all": "the engines sleep while the models train on the same GPUs, so nothing could generate meanwhile",
     "dynamic_sampling": "its later rounds need the first round's rewards before the step can train",
     "env_fn": "its episodes alternate with the environment a turn at a time, on the driver",
+    "agent_fn": "its agents run on the driver, each request waiting for the engines' answer",
 }
 
 
@@ -21,12 +22,21 @@ def check_args(args) -> None:
     check_keep_last(args.keep_last_checkpoints)
     if args.max_steps < 1:
         raise UserError(f"--max_steps {args.max_steps} runs no PPO step; give 1 or more.")
-    if args.env_fn:
-        others = [flag for flag in ("reward_pretrain", "reward_fn", "remote_rm_url", "reward_weights")
-                  if getattr(args, flag)]
+    if args.env_fn and args.agent_fn:
+        raise UserError("--env_fn and --agent_fn each run the episodes; give one of them.")
+    if args.env_fn or args.agent_fn:
+        flag = "--env_fn" if args.env_fn else "--agent_fn"
+        others = [source for source in ("reward_pretrain", "reward_fn", "remote_rm_url", "reward_weights")
+                  if getattr(args, source)]
         if others:
-            raise UserError(f"--env_fn's rewards score the episodes; leave out --{others[0]}, or --env_fn.")
-        if args.max_turns < 1:
+            raise UserError(f"{flag}'s rewards score the episodes; leave out --{others[0]}, or {flag}.")
+        if args.agent_fn and not args.apply_chat_template:
+            raise UserError("--agent_fn's agents send chat messages, which the policy's chat template renders; add "
+                            "--apply_chat_template.")
+        if args.agent_fn and args.agent_timeout <= 0:
+            raise UserError(f"--agent_timeout {args.agent_timeout} gives an agent no time; give the seconds an "
+                            f"episode may take, e.g. 600.")
+        if args.env_fn and args.max_turns < 1:
             raise UserError(f"--max_turns {args.max_turns} gives the policy no turn; give 1 or more.")
     elif args.reward_pretrain or args.reward_fn or args.remote_rm_url or not args.teacher_pretrain:
         rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)

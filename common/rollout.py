@@ -15,6 +15,7 @@ import torch
 
 from common import multi_turn, rewards
 from common import ppo_tricks as tricks
+from common.agents import AgentEndpoint, agent_function
 from common.logging_utils import timed
 from common.vllm_engine import collect, generate, start_generate, wait_for
 
@@ -70,6 +71,8 @@ class Rollouts:
         self.engines_at = start_step  # the engines hold the policy after this many steps
         self.synced = {}  # the last sync's metrics, reported with the step that made it
         self.ahead = self.start(start_step) if args.async_rollouts else None
+        self.agents = (AgentEndpoint(tokenizer, args.generate_max_len, args.prompt_max_len, args.agent_timeout)
+                       if args.agent_fn else None)  # --agent_fn's OpenAI-compatible endpoint (common/agents.py)
 
     def next(self, step: int, timings: dict) -> tuple[list[dict], list[list[dict]], tuple | None]:
         """This step's prompts, vLLM's responses to them, and with --dynamic_sampling their scores and metrics.
@@ -111,8 +114,9 @@ class Rollouts:
 
     def respond(self, prompts: list[dict], n: int, temperature: float,
                 seeded: tuple[int, str] | None = None) -> list[list[dict]]:
-        """vLLM's n responses to each prompt, or with --env_fn n multi-turn episodes of each (common/multi_turn.py);
-        colocated engines are awake only meanwhile. `seeded`: the (step, stream) of sample_seeds (None: greedy)."""
+        """vLLM's n responses to each prompt, or with --env_fn n multi-turn episodes of each (common/multi_turn.py),
+        or with --agent_fn n runs of the user's agent (common/agents.py); colocated engines are awake only meanwhile.
+        `seeded`: the (step, stream) of sample_seeds (None: greedy)."""
         args, cluster = self.args, self.cluster
         cluster.sleep.before_generate()
         if args.env_fn:
@@ -125,6 +129,15 @@ class Rollouts:
             samples = multi_turn.run_episodes(one_turn, env_factory(args.env_fn), self.tokenizer, prompts, n,
                                               args.max_turns, args.generate_max_len, args.apply_chat_template,
                                               args.input_template, args.prompt_max_len, args.reward_timeout)
+        elif args.agent_fn:
+            def one_request(ids: list[list[int]], limits: list[int], seeds: list[int] | None) -> list[dict]:
+                return [s[0] for s in generate(cluster.engines, ids, 1, temperature, args.top_p, limits, seeds)]
+
+            def seed_of(episode: int, request: int) -> int:
+                return sample_seeds(args, seeded[0], f"{seeded[1]}agent{episode}/{request}", 1)[0]
+
+            samples = self.agents.run_episodes(agent_function(args.agent_fn), prompts, n, one_request,
+                                               seed_of if seeded else None)
         else:
             samples = generate(cluster.engines, [p["ids"] for p in prompts], n, temperature, args.top_p,
                                args.generate_max_len, sample_seeds(args, *seeded, len(prompts)) if seeded else None)

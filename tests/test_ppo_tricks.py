@@ -637,6 +637,15 @@ def test_rollout_corrections_worked_by_hand():
     ({"kl_target": -1.0}, "so both must be above 0"),
     ({"env_fn": "env.py:make_env", "reward_fn": None, "async_rollouts": True},
      "--async_rollouts cannot be used with --env_fn"),
+    ({"agent_fn": "a.py:run_agent", "env_fn": "env.py:make_env", "reward_fn": None},
+     "--env_fn and --agent_fn each run the episodes; give one of them."),
+    ({"agent_fn": "a.py:run_agent"}, "--agent_fn's rewards score the episodes; leave out --reward_fn, or --agent_fn."),
+    ({"agent_fn": "a.py:run_agent", "reward_fn": None}, "--agent_fn's agents send chat messages, which the policy's "
+                                                        "chat template renders; add --apply_chat_template."),
+    ({"agent_fn": "a.py:run_agent", "reward_fn": None, "apply_chat_template": True, "agent_timeout": 0.0},
+     "--agent_timeout 0.0 gives an agent no time"),
+    ({"agent_fn": "a.py:run_agent", "reward_fn": None, "apply_chat_template": True, "async_rollouts": True},
+     "--async_rollouts cannot be used with --agent_fn"),
 ])
 def test_new_loss_flags_that_cannot_work_are_refused(flags, words):
     with pytest.raises(UserError, match=re.escape(words)):
