@@ -1,0 +1,241 @@
+"""Vision-language models: images in dataset rows, the model's processor, and the vision tower in training.
+
+A row's messages hold images as content parts, in the form processors take: {"type": "image", "image": ...} beside
+{"type": "text", "text": ...}. The image is a path relative to the dataset file's folder, an absolute path, or base64
+(a `data:image/...;base64,` URI or the bare base64 text). Each image is read and decoded while the data loads, so a
+bad one stops the run before anything trains, with the file and sample named.
+
+The chat template writes one placeholder per image part (Idefics3's "<image>"); a sample's tokens are the rendered
+text's tokens with each placeholder replaced by what the processor expands it into for that image (markers and one
+token per image feature). Truncation never cuts into an image's tokens: a sample whose images end past --max_len is
+refused, since a model cannot read part of an image. The images themselves stay in the sample, and the batch's
+pixel values are computed when it is collated, in the order their placeholders appear, as the model's forward reads
+them.
+"""
+
+import base64
+import binascii
+import io
+import json
+import os
+import re
+
+import torch
+
+from common.args import UserError, config_file
+from common.data import DataError, as_messages, get_key, get_response, render_chat, sample_context, tokenize_with_spans
+
+
+def is_vision_language(path: str) -> bool:
+    """Whether the model folder's config.json describes a vision-language model (it has a vision_config)."""
+    file = config_file(path)
+    if file is None:
+        return False
+    with open(file) as f:
+        return "vision_config" in json.load(f)
+
+
+def load_processor(path: str, flag: str = "--pretrain"):
+    """The model's processor (tokenizer, image processor, chat template), as AutoProcessor loads it."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{flag} {path}: no processor could be loaded for this vision-language model ({e}); save "
+                        f"the processor beside the model (processor.save_pretrained).") from None
+    if getattr(processor, "image_processor", None) is None or not getattr(processor, "image_token", None):
+        raise UserError(f"{flag} {path}: its processor has no image processor or image token, so it cannot read "
+                        f"images; give a vision-language model's folder with its processor saved.")
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token is None:  # padding is always masked out
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
+
+
+def vision_tower(model) -> torch.nn.Module:
+    """The submodule that encodes images: the one built from the model's vision_config (Idefics3's vision_model,
+    Qwen-VL's visual, LLaVA's vision_tower)."""
+    model = getattr(model, "module", model)
+    vision_config = model.config.vision_config
+    for module in model.modules():
+        if getattr(module, "config", None) is vision_config and module is not model:
+            return module
+    raise UserError(f"found no vision tower in the {type(model).__name__} (no module built from its vision_config); "
+                    f"train it with --freeze_vision_tower false, or give a model whose tower transformers builds.")
+
+
+def freeze_vision_tower(model) -> int:
+    """Stop the vision tower's training (the connector and the language model still train); returns the number of
+    parameters frozen. The optimizer then holds no state for them."""
+    tower = vision_tower(model)
+    tower.requires_grad_(False)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in tower.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ reading images
+_DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.ASCII)
+
+
+def read_image(value, base_dir: str):
+    """A PIL image (RGB) from a path (relative to base_dir, or absolute) or base64 text; a DataError otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(value, str) or not value:
+        raise DataError(f"an image part's 'image' must be a path or base64 text, got {str(value)[:40]!r}.")
+    path = os.path.join(base_dir, os.path.expanduser(value))
+    base64_text = _DATA_URI.sub("", value, count=1)
+    if not os.path.exists(path) and (base64_text != value or len(value) > 256):
+        try:
+            raw, what = base64.b64decode(base64_text, validate=True), "its base64 image"
+        except (binascii.Error, ValueError):
+            raise DataError(f"image {value[:40]!r}... is neither an existing file nor valid base64; fix the path or "
+                            f"the encoding.") from None
+    elif os.path.isfile(path):
+        with open(path, "rb") as f:
+            raw, what = f.read(), f"image {path}"
+    else:
+        raise DataError(f"image {value!r} does not exist (a relative path is read from the dataset's folder "
+                        f"{base_dir or '.'}); fix the path.")
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{what} could not be decoded ({type(e).__name__}: {e}); replace it with a PNG or JPEG "
+                        f"file.") from None
+    return image.convert("RGB")
+
+
+def split_images(messages: list[dict], base_dir: str) -> tuple[list[dict], list]:
+    """The messages with each image part reduced to {"type": "image"} (what templates render), and the images read,
+    in the order of their parts."""
+    rendered, images = [], []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    images.append(read_image(part.get("image", part.get("path")), base_dir))
+                    part = {"type": "image"}
+                parts.append(part)
+            message = dict(message, content=parts)
+        rendered.append(message)
+    return rendered, images
+
+
+def rows_with_images(rows: list[dict], key: str) -> int:
+    """How many rows hold an image part under `key` (a text model is refused such rows)."""
+    def has_image(value) -> bool:
+        return isinstance(value, list) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), list)
+            and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in value)
+
+    return sum(has_image(row.get(key)) for row in rows)
+
+
+def check_takes_images(rows: list[dict], key: str, source: str, model_path: str) -> None:
+    """Refuse image rows for a model that takes no images, before the chat template would fail on them."""
+    count = rows_with_images(rows, key)
+    if count and not is_vision_language(model_path):
+        raise DataError(f"{source}: {count} rows hold images under {key!r}, and the model {model_path} takes none "
+                        f"(its config has no vision_config); give a vision-language model, or remove the images.")
+
+
+# ------------------------------------------------------------------------------------------------------ samples
+def image_token_ids(processor, image) -> list[int]:
+    """The tokens the processor writes in place of one image's placeholder: its markers and feature tokens."""
+    encoded = processor(text=[processor.image_token], images=[[image]], add_special_tokens=False)
+    return list(encoded["input_ids"][0])
+
+
+def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], images: list):
+    """Tokenize a rendered text whose image placeholders are expanded: (input_ids, loss_mask, end of the last image's
+    tokens). The placeholder is a special token, so the text around it tokenizes alike alone or whole."""
+    pieces = text.split(processor.image_token)
+    if len(pieces) - 1 != len(images):
+        raise DataError(f"the rendered text holds {len(pieces) - 1} image placeholders {processor.image_token!r} "
+                        f"for {len(images)} image parts; remove that token from the text parts.")
+    ids, mask, offset, images_end = [], [], 0, 0
+    for k, piece in enumerate(pieces):
+        piece_spans = [(s - offset, e - offset) for s, e in spans]
+        piece_ids, piece_mask = tokenize_with_spans(processor.tokenizer, piece, piece_spans)
+        ids, mask = ids + piece_ids, mask + piece_mask
+        if k < len(images):
+            expansion = image_token_ids(processor, images[k])
+            ids, mask = ids + expansion, mask + [0] * len(expansion)
+            images_end = len(ids)
+        offset += len(piece) + len(processor.image_token)
+    return ids, mask, images_end
+
+
+def build_vlm_sft_samples(rows, processor, source, input_key, output_key, max_len, log=print) -> list[dict]:
+    """Tokenize rows with images for SFT into {"input_ids", "loss_mask", "images"}, rendered with the chat template.
+
+    Truncated as common.data.build_sft_samples truncates, never into an image's tokens (a DataError that names the
+    sample); a sample left with no trained token is dropped and counted.
+    """
+    from common.data import checked_samples
+
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    base_dir = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else source
+    samples, truncated, dropped = [], 0, 0
+    for i, row in enumerate(rows):
+        with sample_context(source, i):
+            if isinstance(row.get(input_key), list) and output_key not in row:
+                messages = as_messages(row[input_key])
+            else:
+                response = get_response(row, output_key, i, source, input_key)
+                messages = as_messages(get_key(row, input_key, i, source))
+                messages = messages + [{"role": "assistant", "content": response}]
+            messages, images = split_images(messages, base_dir)
+            text, spans = render_chat(processor.tokenizer, messages)
+            ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
+            if images_end > max_len:
+                raise DataError(f"its images end at token {images_end}, past --max_len {max_len}, and an image cut "
+                                f"short cannot be read; raise --max_len, or give this row fewer or smaller images.")
+        mask[0] = 0  # the first token has nothing before it to be predicted from
+        if len(ids) > max_len:
+            truncated += 1
+            ids, mask = ids[:max_len], mask[:max_len]
+        if sum(mask) == 0:
+            dropped += 1
+            continue
+        samples.append({"input_ids": ids, "loss_mask": mask, "images": images})
+    return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def image_inputs(processor, samples: list[dict], packing: bool) -> dict[str, torch.Tensor]:
+    """The forward's image tensors for a collated batch (Idefics3: pixel_values (batch, images, 3, H, W) and their
+    pixel_attention_mask): one row of images per padded sample, or one for the packed row; {} without images."""
+    rows = [sum((s["images"] for s in samples), [])] if packing else [s["images"] for s in samples]
+    if not any(rows):
+        return {}
+    encoded = processor.image_processor(images=rows, return_tensors="pt")
+    return {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}
+
+
+def check_trainer_args(args) -> bool:
+    """Refuse the trainer flags that cannot apply to a vision-language --pretrain, from its config.json; returns
+    whether it is one. Its rows are chat messages with image parts, which only its chat template renders."""
+    if not is_vision_language(args.pretrain):
+        return False
+    refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
+               (getattr(args, "pretrain_mode", False), "takes no --pretrain_mode (its rows are chat messages)"),
+               (getattr(args, "lora_rank", 0), "is trained whole here: LoRA on its language model is not built yet, "
+                                                 "leave out --lora_rank"),
+               (getattr(args, "packing_samples", False), "is trained on padded batches here: leave out "
+                                                          "--packing_samples")]
+    for wrong, what in refused:
+        if wrong:
+            raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
+    return True
+
+
+def model_class(processor):
+    """The Auto class a trainer loads its model with: transformers' image-text-to-text class when there is a
+    processor (a vision-language model), else its causal LM class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
