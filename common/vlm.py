@@ -75,6 +75,7 @@ def freeze_vision_tower(model) -> int:
 
 # ------------------------------------------------------------------------------------------------ reading images
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.ASCII)
+_BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}", re.ASCII)  # bare base64 text: no dot, unlike a file name
 
 
 def read_image(value, base_dir: str):
@@ -85,15 +86,15 @@ def read_image(value, base_dir: str):
         raise DataError(f"an image part's 'image' must be a path or base64 text, got {str(value)[:40]!r}.")
     path = os.path.join(base_dir, os.path.expanduser(value))
     base64_text = _DATA_URI.sub("", value, count=1)
-    if not os.path.exists(path) and (base64_text != value or len(value) > 256):
-        try:
-            raw, what = base64.b64decode(base64_text, validate=True), "its base64 image"
-        except (binascii.Error, ValueError):
-            raise DataError(f"image {value[:40]!r}... is neither an existing file nor valid base64; fix the path or "
-                            f"the encoding.") from None
-    elif os.path.isfile(path):
+    if os.path.isfile(path):
         with open(path, "rb") as f:
             raw, what = f.read(), f"image {path}"
+    elif base64_text != value or _BASE64.fullmatch(value):
+        try:
+            raw = base64.b64decode(base64_text, validate=True)
+        except (binascii.Error, ValueError):
+            raise DataError(f"image {value[:40]!r}... is not valid base64; fix its encoding.") from None
+        what = f"image {value[:40]!r}... (read as base64, there being no such file)"
     else:
         raise DataError(f"image {value!r} does not exist (a relative path is read from the dataset's folder "
                         f"{base_dir or '.'}); fix the path.")

@@ -1,0 +1,195 @@
+"""Vision-language models: the tiny Idefics3 of common/tiny_vlm.py, image rows through its processor (common/vlm.py),
+every bad image refused with the file and sample named, and sft.py training one that transformers and vLLM load."""
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, SEED, run_script
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from common import data, vlm
+from common.tiny_vlm import IMAGE_TOKENS, write_tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> str:
+    return write_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")), seed=SEED)
+
+
+def png_bytes(size, colour) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def image_row(image_values: list, text="how many red squares?", response="3") -> dict:
+    parts = [{"type": "image", "image": value} for value in image_values] + [{"type": "text", "text": text}]
+    return {"prompt": [{"role": "user", "content": parts}], "response": response}
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+@pytest.fixture()
+def image_dataset(tmp_path):
+    """Rows naming their images each way the data format allows: relative, absolute, a data URI, bare base64."""
+    os.makedirs(tmp_path / "images")
+    (tmp_path / "images" / "red.png").write_bytes(png_bytes((40, 56), (255, 0, 0)))
+    (tmp_path / "blue.png").write_bytes(png_bytes((56, 56), (0, 0, 255)))
+    green = base64.b64encode(png_bytes((20, 30), (0, 255, 0))).decode()
+    rows = [image_row(["images/red.png"], response="3"),
+            image_row([str(tmp_path / "blue.png"), "data:image/png;base64," + green], "same colour?", "no"),
+            image_row([green], "what colour?", "green")]
+    return write_jsonl(tmp_path / "train.jsonl", rows)
+
+
+def test_tiny_vlm_loads_as_an_image_text_to_text_model_whose_output_depends_on_the_image(tiny_vlm):
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    text = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
+    last_logits = []
+    for colour in ((255, 0, 0), (0, 0, 255)):
+        encoded = processor(text=[text], images=[[Image.new("RGB", (56, 56), colour)]], return_tensors="pt")
+        assert (encoded["input_ids"] == model.config.image_token_id).sum() == IMAGE_TOKENS
+        with torch.no_grad():
+            last_logits.append(model(**encoded).logits[0, -1])
+    assert (last_logits[0] - last_logits[1]).abs().max() > 1e-3
+
+
+def test_image_rows_tokenize_as_the_processor_does_and_train_on_the_response_only(tiny_vlm, image_dataset):
+    processor = vlm.load_processor(tiny_vlm)
+    rows = data.load_records(image_dataset)
+    samples = vlm.build_vlm_sft_samples(rows, processor, image_dataset, "prompt", "response", max_len=128)
+    assert [len(s["images"]) for s in samples] == [1, 2, 1]
+    for row, sample in zip(rows, samples):
+        messages, images = vlm.split_images(row["prompt"] + [{"role": "assistant", "content": row["response"]}],
+                                            os.path.dirname(image_dataset))
+        whole = processor(text=[processor.apply_chat_template(messages, tokenize=False)], images=[images],
+                          add_special_tokens=False)
+        assert sample["input_ids"] == list(whole["input_ids"][0])
+        trained = [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m]
+        assert processor.tokenizer.decode(trained) == row["response"] + processor.tokenizer.eos_token
+    batch = vlm.image_inputs(processor, samples, packing=False)
+    assert batch["pixel_values"].shape == (3, 2, 3, 56, 56)  # (samples, most images in a sample, channels, H, W)
+    assert batch["pixel_values"][0, 1].abs().sum() == 0  # the first sample's second image is padding
+
+
+def test_truncation_cuts_the_response_and_never_an_image(tiny_vlm, tmp_path):
+    processor = vlm.load_processor(tiny_vlm)
+    (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
+    source = write_jsonl(tmp_path / "train.jsonl", [image_row(["red.png"], response="1 2 3 4 5 6 7 8")])
+    rows = data.load_records(source)
+    whole = vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", max_len=256)[0]
+    images_end = max(i for i, t in enumerate(whole["input_ids"]) if t == processor.fake_image_token_id) + 1
+    logged = []
+    cut = vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", len(whole["input_ids"]) - 3,
+                                    log=logged.append)[0]
+    assert cut["input_ids"] == whole["input_ids"][:-3] and "1 of 1 samples truncated" in logged[0]
+    with pytest.raises(data.DataError, match="before its response starts"):  # the images fit, the response does not
+        vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", max_len=images_end)
+    with pytest.raises(data.DataError, match=rf"train.jsonl, sample 0: its images end at token {images_end}, past "
+                                             rf"--max_len {images_end - 1}"):
+        vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", max_len=images_end - 1)
+
+
+@pytest.mark.parametrize("image, message", [
+    ("missing.png", r"sample 1: image 'missing.png' does not exist \(a relative path is read from the dataset's "
+                    r"folder .*\); fix the path"),
+    ("not_an_image.png", r"sample 1: image .*not_an_image.png could not be decoded \(UnidentifiedImageError"),
+    ("data:image/png;base64,@@@", r"sample 1: image 'data:image/png;base64,@@@'\.\.\. is not valid base64"),
+    (base64.b64encode(b"x" * 300).decode(), r"sample 1: image 'eHh4.*'\.\.\. \(read as base64, there being no such "
+                                            r"file\) could not be decoded"),
+    (7, r"sample 1: an image part's 'image' must be a path or base64 text, got '7'"),
+])
+def test_a_bad_image_stops_the_run_with_the_file_and_sample_named(tiny_vlm, tmp_path, image, message):
+    processor = vlm.load_processor(tiny_vlm)
+    (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
+    (tmp_path / "not_an_image.png").write_text("a text file")
+    source = write_jsonl(tmp_path / "train.jsonl", [image_row(["red.png"]), image_row([image])])
+    with pytest.raises(data.DataError, match=rf"^{tmp_path}/train.jsonl, {message}"):
+        vlm.build_vlm_sft_samples(data.load_records(source), processor, source, "prompt", "response", 128)
+
+
+def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(tiny_model, tiny_vlm, tmp_path):
+    source = write_jsonl(tmp_path / "train.jsonl", [image_row(["red.png"]), {"prompt": "hi", "response": "3"}])
+    with pytest.raises(data.DataError, match=rf"{source}: 1 rows hold images under 'prompt', and the model "
+                                             rf"{tiny_model} takes none"):
+        vlm.check_takes_images(data.load_records(source), "prompt", source, tiny_model)
+    vlm.check_takes_images(data.load_records(source), "prompt", source, tiny_vlm)
+
+    class Args:  # the flags check_trainer_args reads, at sft.py's defaults
+        pretrain, apply_chat_template, pretrain_mode, lora_rank, packing_samples = tiny_vlm, True, False, 0, False
+
+    assert vlm.check_trainer_args(Args)
+    for flag, value in (("apply_chat_template", False), ("pretrain_mode", True), ("lora_rank", 8),
+                        ("packing_samples", True)):
+        wrong = type("Wrong", (Args,), {flag: value})
+        with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
+            vlm.check_trainer_args(wrong)
+
+
+def test_freeze_vision_tower_leaves_the_connector_and_the_language_model_trained(tiny_vlm):
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    frozen = vlm.freeze_vision_tower(model)
+    assert frozen == sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.vision_model."))
+    trained = {n.split(".")[1] for n, p in model.named_parameters() if p.requires_grad and n.startswith("model.")}
+    assert trained == {"connector", "text_model"}
+
+
+VLLM_LOGPROBS = """
+import json, sys
+from PIL import Image
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=128, seed=0)
+prompt = {"prompt": sys.argv[2], "multi_modal_data": {"image": Image.new("RGB", (56, 56), (255, 0, 0))}}
+out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=1))[0]
+print(json.dumps({"prompt_ids": out.prompt_token_ids, "ids": out.outputs[0].token_ids,
+                  "logprobs": [d[t].logprob for t, d in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]}))
+"""
+
+
+@pytest.mark.slow
+def test_sft_trains_a_vlm_that_transformers_and_vllm_load_with_the_vision_tower_unchanged(tiny_vlm, image_dataset,
+                                                                                          tmp_path):
+    out = str(tmp_path / "out")
+    started = time.time()
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--dataset", image_dataset, "--apply_chat_template",
+                          "--train_batch_size", "2", "--micro_train_batch_size", "2", "--max_steps", "4",
+                          "--learning_rate", "1e-2", "--output_dir", out])
+    print(f"sft.py: {time.time() - started:.1f} s")
+    before, after = load_file(os.path.join(tiny_vlm, "model.safetensors")), load_file(os.path.join(out,
+                                                                                                   "model.safetensors"))
+    assert before.keys() == after.keys()
+    changed = {".".join(name.split(".")[:2]) for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {"model.connector", "model.text_model", "lm_head.weight"}  # the vision tower is frozen by default
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    processor = AutoProcessor.from_pretrained(out)
+
+    # vLLM reads the saved model and processor, and scores its own sample as transformers does.
+    prompt = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
+    result = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, out, prompt], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    print(f"sft.py and the vLLM engine: {time.time() - started:.1f} s")
+    assert result.returncode == 0, result.stderr[-3000:]
+    sampled = json.loads(result.stdout.strip().splitlines()[-1])
+    encoded = processor(text=[prompt], images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
+    assert sampled["prompt_ids"] == encoded["input_ids"][0].tolist()
+    ids = torch.tensor([sampled["prompt_ids"] + sampled["ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=encoded["pixel_values"],
+                       pixel_attention_mask=encoded["pixel_attention_mask"]).logits
+    start = len(sampled["prompt_ids"]) - 1
+    logprobs = logits[0, start:-1].log_softmax(-1).gather(-1, torch.tensor(sampled["ids"])[:, None])[:, 0]
+    assert (logprobs - torch.tensor(sampled["logprobs"])).abs().max() < 1e-4
