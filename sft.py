@@ -228,7 +228,7 @@ def main(args: Args):
     config = ds_config(args.zero_stage, args.train_batch_size, args.micro_train_batch_size, world_size,
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
-    model = load_model(args.pretrain, config, vlm.model_class(processor), args.gradient_checkpointing, dropout=True,
+    model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing, dropout=True,
                        **lora.load_kwargs(args))
     if processor and args.freeze_vision_tower:
         vlm.freeze_vision_tower(model)

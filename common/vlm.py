@@ -23,7 +23,8 @@ import re
 import torch
 
 from common.args import UserError, config_file
-from common.data import DataError, as_messages, get_key, get_response, render_chat, sample_context, tokenize_with_spans
+from common.data import (DataError, as_messages, checked_samples, get_key, get_response, render_chat, sample_context,
+                         tokenize_with_spans)
 
 
 def is_vision_language(path: str) -> bool:
@@ -170,17 +171,33 @@ def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], ima
     return ids, mask, images_end
 
 
+def vlm_sample(processor, messages: list[dict], base_dir: str, max_len: int) -> tuple[dict, bool]:
+    """One conversation with images as {"input_ids", "loss_mask", "images"}, its assistant turns trained on, and
+    whether it was truncated to max_len. Truncation never cuts into an image: a DataError instead."""
+    messages, images = split_images(messages, base_dir)
+    text, spans = render_chat(processor.tokenizer, messages)
+    ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
+    if images_end > max_len:
+        raise DataError(f"its images end at token {images_end}, past --max_len {max_len}, and an image cut short "
+                        f"cannot be read; raise --max_len, or give this row fewer or smaller images.")
+    mask[0] = 0  # the first token has nothing before it to be predicted from
+    truncated = len(ids) > max_len
+    return {"input_ids": ids[:max_len], "loss_mask": mask[:max_len], "images": images}, truncated
+
+
+def dataset_folder(source: str) -> str:
+    """Where a dataset's relative image paths start: the folder of its file, or the folder itself."""
+    return os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else source
+
+
 def build_vlm_sft_samples(rows, processor, source, input_key, output_key, max_len, log=print) -> list[dict]:
     """Tokenize rows with images for SFT into {"input_ids", "loss_mask", "images"}, rendered with the chat template.
 
     Truncated as common.data.build_sft_samples truncates, never into an image's tokens (a DataError that names the
     sample); a sample left with no trained token is dropped and counted.
     """
-    from common.data import checked_samples
-
     if not rows:
         raise DataError(f"dataset {source} is empty.")
-    base_dir = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else source
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
         with sample_context(source, i):
@@ -190,21 +207,42 @@ def build_vlm_sft_samples(rows, processor, source, input_key, output_key, max_le
                 response = get_response(row, output_key, i, source, input_key)
                 messages = as_messages(get_key(row, input_key, i, source))
                 messages = messages + [{"role": "assistant", "content": response}]
-            messages, images = split_images(messages, base_dir)
-            text, spans = render_chat(processor.tokenizer, messages)
-            ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
-            if images_end > max_len:
-                raise DataError(f"its images end at token {images_end}, past --max_len {max_len}, and an image cut "
-                                f"short cannot be read; raise --max_len, or give this row fewer or smaller images.")
-        mask[0] = 0  # the first token has nothing before it to be predicted from
-        if len(ids) > max_len:
-            truncated += 1
-            ids, mask = ids[:max_len], mask[:max_len]
-        if sum(mask) == 0:
+            sample, cut = vlm_sample(processor, messages, dataset_folder(source), max_len)
+        truncated += cut
+        if sum(sample["loss_mask"]) == 0:
             dropped += 1
             continue
-        samples.append({"input_ids": ids, "loss_mask": mask, "images": images})
+        samples.append(sample)
     return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def build_vlm_preference_samples(rows, processor, source, input_key, chosen_key, rejected_key, max_len,
+                                 log=print) -> list[dict]:
+    """Tokenize preference pairs whose prompts hold images into {"chosen", "rejected", "margin": 0.0} (dpo.py), each
+    side a vlm_sample of the prompt's messages and its response. Pairs left without a response token, or with two
+    identical ones, are skipped and counted, as common.data.build_preference_samples does."""
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, dropped, identical = [], 0, 0, 0
+    for i, row in enumerate(rows):
+        with sample_context(source, i):
+            prompt = as_messages(get_key(row, input_key, i, source))
+            pair = {"margin": 0.0}
+            for side, key in (("chosen", chosen_key), ("rejected", rejected_key)):
+                response = get_response(row, key, i, source, input_key)
+                pair[side], cut = vlm_sample(processor, prompt + [{"role": "assistant", "content": response}],
+                                             dataset_folder(source), max_len)
+                truncated += cut
+        if not sum(pair["chosen"]["loss_mask"]) or not sum(pair["rejected"]["loss_mask"]):
+            dropped += 1
+        elif pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:
+            identical += 1
+        else:
+            samples.append(pair)
+    if identical:
+        log(f"warning: {source}: skipped {identical} of {len(rows)} pairs whose {chosen_key!r} and {rejected_key!r} "
+            f"are identical (or differ only past --max_len {max_len}).")
+    return checked_samples(samples, source, max_len, log, truncated, dropped, "responses", "pairs")
 
 
 def image_inputs(processor, samples: list[dict], packing: bool) -> dict[str, torch.Tensor]:
@@ -232,11 +270,3 @@ def check_trainer_args(args) -> bool:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
     return True
-
-
-def model_class(processor):
-    """The Auto class a trainer loads its model with: transformers' image-text-to-text class when there is a
-    processor (a vision-language model), else its causal LM class."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM

@@ -1,5 +1,6 @@
 """Vision-language models: the tiny Idefics3 of common/tiny_vlm.py, image rows through its processor (common/vlm.py),
-every bad image refused with the file and sample named, and sft.py training one that transformers and vLLM load."""
+every bad image refused with the file and sample named, and sft.py and dpo.py training one that transformers and vLLM
+load."""
 
 import base64
 import io
@@ -31,9 +32,11 @@ def png_bytes(size, colour) -> bytes:
     return buffer.getvalue()
 
 
-def image_row(image_values: list, text="how many red squares?", response="3") -> dict:
+def image_row(image_values: list, text="how many red squares?", response="3", rejected="7") -> dict:
+    """A row for sft.py (prompt, response) and dpo.py (prompt, chosen, rejected)."""
     parts = [{"type": "image", "image": value} for value in image_values] + [{"type": "text", "text": text}]
-    return {"prompt": [{"role": "user", "content": parts}], "response": response}
+    return {"prompt": [{"role": "user", "content": parts}], "response": response, "chosen": response,
+            "rejected": rejected}
 
 
 def write_jsonl(path, rows) -> str:
@@ -84,6 +87,21 @@ def test_image_rows_tokenize_as_the_processor_does_and_train_on_the_response_onl
     batch = vlm.image_inputs(processor, samples, packing=False)
     assert batch["pixel_values"].shape == (3, 2, 3, 56, 56)  # (samples, most images in a sample, channels, H, W)
     assert batch["pixel_values"][0, 1].abs().sum() == 0  # the first sample's second image is padding
+
+
+def test_preference_pairs_share_the_prompt_and_its_images_and_train_on_each_response(tiny_vlm, image_dataset):
+    processor = vlm.load_processor(tiny_vlm)
+    rows = data.load_records(image_dataset)
+    pairs = vlm.build_vlm_preference_samples(rows, processor, image_dataset, "prompt", "chosen", "rejected", 128)
+    assert len(pairs) == len(rows)
+    for row, pair in zip(rows, pairs):
+        chosen, rejected = pair["chosen"], pair["rejected"]
+        prompt_length = len(chosen["input_ids"]) - sum(chosen["loss_mask"])
+        assert chosen["input_ids"][:prompt_length] == rejected["input_ids"][:prompt_length]
+        assert len(chosen["images"]) == len(rejected["images"]) == len(row["prompt"][0]["content"]) - 1
+        for side, key in ((chosen, "chosen"), (rejected, "rejected")):
+            trained = [t for t, m in zip(side["input_ids"], side["loss_mask"]) if m]
+            assert processor.tokenizer.decode(trained) == row[key] + processor.tokenizer.eos_token
 
 
 def test_truncation_cuts_the_response_and_never_an_image(tiny_vlm, tmp_path):
@@ -160,20 +178,27 @@ print(json.dumps({"prompt_ids": out.prompt_token_ids, "ids": out.outputs[0].toke
 """
 
 
-@pytest.mark.slow
-def test_sft_trains_a_vlm_that_transformers_and_vllm_load_with_the_vision_tower_unchanged(tiny_vlm, image_dataset,
-                                                                                          tmp_path):
-    out = str(tmp_path / "out")
-    started = time.time()
-    run_script("sft.py", ["--pretrain", tiny_vlm, "--dataset", image_dataset, "--apply_chat_template",
-                          "--train_batch_size", "2", "--micro_train_batch_size", "2", "--max_steps", "4",
-                          "--learning_rate", "1e-2", "--output_dir", out])
-    print(f"sft.py: {time.time() - started:.1f} s")
-    before, after = load_file(os.path.join(tiny_vlm, "model.safetensors")), load_file(os.path.join(out,
-                                                                                                   "model.safetensors"))
+def changed_parts(before_dir: str, after_dir: str) -> set[str]:
+    """The top-level parts of a saved model (model.vision_model, model.connector, ...) whose weights differ."""
+    before, after = (load_file(os.path.join(d, "model.safetensors")) for d in (before_dir, after_dir))
     assert before.keys() == after.keys()
-    changed = {".".join(name.split(".")[:2]) for name in before if not torch.equal(before[name], after[name])}
-    assert changed == {"model.connector", "model.text_model", "lm_head.weight"}  # the vision tower is frozen by default
+    return {".".join(name.split(".")[:2]) for name in before if not torch.equal(before[name], after[name])}
+
+
+@pytest.mark.slow
+def test_sft_then_dpo_train_a_vlm_that_transformers_and_vllm_load_alike(tiny_vlm, image_dataset, tmp_path):
+    """sft.py with the vision tower frozen (the default), dpo.py from its model with the tower trained, then vLLM reads
+    the DPO model and processor and scores its own sample as transformers does."""
+    sft_out, out = str(tmp_path / "sft"), str(tmp_path / "dpo")
+    started = time.time()
+    flags = ["--dataset", image_dataset, "--apply_chat_template", "--train_batch_size", "2",
+              "--micro_train_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-2"]
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--output_dir", sft_out, *flags])
+    assert changed_parts(tiny_vlm, sft_out) == {"model.connector", "model.text_model", "lm_head.weight"}
+    run_script("dpo.py", ["--pretrain", sft_out, "--output_dir", out, "--freeze_vision_tower", "false", *flags])
+    assert changed_parts(sft_out, out) == {"model.vision_model", "model.connector", "model.text_model",
+                                           "lm_head.weight"}
+    print(f"sft.py and dpo.py: {time.time() - started:.1f} s")
     model = AutoModelForImageTextToText.from_pretrained(out)
     processor = AutoProcessor.from_pretrained(out)
 
@@ -181,7 +206,7 @@ def test_sft_trains_a_vlm_that_transformers_and_vllm_load_with_the_vision_tower_
     prompt = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
     result = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, out, prompt], cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
-    print(f"sft.py and the vLLM engine: {time.time() - started:.1f} s")
+    print(f"sft.py, dpo.py and the vLLM engine: {time.time() - started:.1f} s")
     assert result.returncode == 0, result.stderr[-3000:]
     sampled = json.loads(result.stdout.strip().splitlines()[-1])
     encoded = processor(text=[prompt], images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
