@@ -270,3 +270,13 @@ def check_trainer_args(args) -> bool:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
     return True
+
+
+def check_images_in_every_sample(samples: list[dict], source: str, zero_stage: int, world_size: int) -> None:
+    """Refuse rows without images beside rows with them under ZeRO-3 on several ranks: a micro-batch without an image
+    skips the vision tower, whose partitioned weights the other ranks' forwards then wait forever to gather."""
+    without = sum(not (s["chosen"] if "chosen" in s else s)["images"] for s in samples)
+    if zero_stage == 3 and world_size > 1 and 0 < without < len(samples):
+        raise DataError(f"{source}: {without} of {len(samples)} rows hold no image, and under ZeRO-3 on several ranks "
+                        f"a micro-batch without one skips the vision tower while the other ranks wait to gather it; "
+                        f"give every row an image, or train with --zero_stage 2.")

@@ -158,6 +158,26 @@ def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(t
             vlm.check_trainer_args(wrong)
 
 
+def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_under_zero3_on_two_ranks(tiny_vlm,
+                                                                                                      image_dataset):
+    processor = vlm.load_processor(tiny_vlm)
+    rows = data.load_records(image_dataset)[:1] + [{"prompt": "how many red squares?", "response": "3"}]
+    image_sample, text_sample = vlm.build_vlm_sft_samples(rows, processor, image_dataset, "prompt", "response", 128)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    batch = data.pad_collate([text_sample, image_sample], processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        mixed = model(**batch, **vlm.image_inputs(processor, [text_sample, image_sample], packing=False)).logits
+        alone = model(input_ids=torch.tensor([image_sample["input_ids"]]),
+                      **vlm.image_inputs(processor, [image_sample], packing=False)).logits
+    assert (mixed[1, :alone.shape[1]] - alone[0]).abs().max() < 1e-5
+    for zero_stage, world_size in ((3, 1), (2, 2)):
+        vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, zero_stage, world_size)
+    vlm.check_images_in_every_sample([image_sample], image_dataset, 3, 2)
+    with pytest.raises(data.DataError, match=r"train.jsonl: 1 of 2 rows hold no image, and under ZeRO-3 on several "
+                                             r"ranks .* give every row an image, or train with --zero_stage 2"):
+        vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, 3, 2)
+
+
 def test_freeze_vision_tower_leaves_the_connector_and_the_language_model_trained(tiny_vlm):
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
     frozen = vlm.freeze_vision_tower(model)
