@@ -22,7 +22,8 @@ def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None
     """Log-prob of each token given the ones before it: (batch, seq - 1), entry t is for token t + 1; 0 before entry
     `start`, whose logits next_token_logits skips (response_start of the loss mask: the prompts need none). `inputs`
     go to the forward as they are: a vision-language model's pixel values (common/vlm.py image_inputs)."""
-    logits = next_token_logits(model, input_ids, attention_mask, position_ids, start, **inputs)  # (batch, seq - 1 - start, vocab)
+    # (batch, seq - 1 - start, vocab)
+    logits = next_token_logits(model, input_ids, attention_mask, position_ids, start, **inputs)
     return F.pad(token_logprobs(logits, input_ids[:, start + 1:]), (start, 0))
 
 
