@@ -28,12 +28,17 @@ from common.data import (DataError, as_messages, checked_samples, get_key, get_r
 
 
 def is_vision_language(path: str) -> bool:
-    """Whether the model folder's config.json describes a vision-language model (it has a vision_config)."""
+    """Whether the model folder's config.json describes a vision-language model that only loads as one: it has a
+    vision_config and transformers has no causal-LM class for its type. The families transformers also loads as causal
+    LMs (Gemma 3, Llama 4, Qwen3.5, ...) keep training as text models, as they did before images were taken."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     file = config_file(path)
     if file is None:
         return False
     with open(file) as f:
-        return "vision_config" in json.load(f)
+        config = json.load(f)
+    return "vision_config" in config and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def load_processor(path: str, flag: str = "--pretrain"):

@@ -238,3 +238,14 @@ def test_sft_then_dpo_train_a_vlm_that_transformers_and_vllm_load_alike(tiny_vlm
     start = len(sampled["prompt_ids"]) - 1
     logprobs = logits[0, start:-1].log_softmax(-1).gather(-1, torch.tensor(sampled["ids"])[:, None])[:, 0]
     assert (logprobs - torch.tensor(sampled["logprobs"])).abs().max() < 1e-4
+
+
+def test_a_family_transformers_also_loads_as_a_causal_lm_stays_a_text_model(tiny_vlm, tmp_path):
+    """Gemma 3 and Llama 4 checkpoints carry a vision_config, and every script has trained them as causal LMs."""
+    for model_type, is_vlm in (("idefics3", True), ("gemma3", False), ("llama4", False), ("llama", False)):
+        config = json.load(open(os.path.join(tiny_vlm, "config.json")))
+        config["model_type"] = model_type
+        folder = tmp_path / model_type
+        os.makedirs(folder)
+        (folder / "config.json").write_text(json.dumps(config))
+        assert vlm.is_vision_language(str(folder)) is is_vlm, model_type
