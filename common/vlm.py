@@ -131,6 +131,31 @@ def split_images(messages: list[dict], base_dir: str) -> tuple[list[dict], list]
     return rendered, images
 
 
+def prompts_with_images(prompts: list, source: str) -> tuple[list, list[list]]:
+    """Prompts for sampling (rejection_sampling.py): each with its image paths made absolute, so that the rows
+    written elsewhere still find them, and the images read, one list per prompt (empty for a text prompt)."""
+    folder, absolute, images = dataset_folder(source), [], []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, list):  # a text prompt holds no image
+            absolute.append(prompt)
+            images.append([])
+            continue
+        with sample_context(source, i):
+            messages = as_messages(prompt)
+            images.append(split_images(messages, folder)[1])
+        absolute.append([dict(m, content=[_absolute(part, folder) for part in m["content"]])
+                         if isinstance(m["content"], list) else m for m in messages])
+    return absolute, images
+
+
+def _absolute(part, folder: str):
+    """An image part whose path is relative made absolute; any other part as it is."""
+    if not (isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("image"), str)):
+        return part
+    path = os.path.join(folder, os.path.expanduser(part["image"]))
+    return dict(part, image=os.path.abspath(path)) if os.path.isfile(path) else part
+
+
 def rows_with_images(rows: list[dict], key: str) -> int:
     """How many rows hold an image part under `key` (a text model is refused such rows)."""
     def has_image(value) -> bool:
@@ -285,3 +310,19 @@ def check_images_in_every_sample(samples: list[dict], source: str, zero_stage: i
         raise DataError(f"{source}: {without} of {len(samples)} rows hold no image, and under ZeRO-3 on several ranks "
                         f"a micro-batch without one skips the vision tower while the other ranks wait to gather it; "
                         f"give every row an image, or train with --zero_stage 2.")
+
+
+def check_sampler_args(args) -> bool:
+    """Refuse rejection_sampling.py's flags that cannot apply to a vision-language --pretrain; returns whether it is
+    one. Its prompts are chat messages with image parts; a reward model here reads text alone, and --mode csft writes
+    the reward into a prompt's text."""
+    if not is_vision_language(args.pretrain):
+        return False
+    refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
+               (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
+                                      "alone, leave out --reward_pretrain"),
+               (args.mode == "csft", "takes --mode best_of_n or dpo_pairs (csft writes rewards into text prompts)")]
+    for wrong, what in refused:
+        if wrong:
+            raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
+    return True

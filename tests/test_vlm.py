@@ -178,6 +178,28 @@ def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_und
         vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, 3, 2)
 
 
+def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_vlm, image_dataset, tmp_path):
+    """rejection_sampling.py writes its rows into --output_dir: a relative image path there would name nothing."""
+    rows = data.load_records(image_dataset) + [{"prompt": "how many?"}]
+    prompts, images = vlm.prompts_with_images([row["prompt"] for row in rows], image_dataset)
+    assert [len(row_images) for row_images in images] == [1, 2, 1, 0]
+    written = [part["image"] for prompt in prompts[:3] for part in prompt[0]["content"] if part["type"] == "image"]
+    assert written[0] == os.path.join(os.path.dirname(image_dataset), "images", "red.png")
+    assert written[2] == rows[1]["prompt"][0]["content"][1]["image"]  # a data URI as it was
+    assert prompts[3] == "how many?"
+    moved = write_jsonl(tmp_path / "elsewhere.jsonl", [{"prompt": prompts[0], "response": "3"}])
+    assert len(vlm.build_vlm_sft_samples(data.load_records(moved), vlm.load_processor(tiny_vlm), moved, "prompt",
+                                         "response", 128)[0]["images"]) == 1
+
+    class Args:  # the flags check_sampler_args reads, at rejection_sampling.py's defaults but the chat template
+        pretrain, apply_chat_template, reward_pretrain, mode = tiny_vlm, True, [], "best_of_n"
+
+    assert vlm.check_sampler_args(Args)
+    for flag, value in (("apply_chat_template", False), ("reward_pretrain", ["rm"]), ("mode", "csft")):
+        with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
+            vlm.check_sampler_args(type("Wrong", (Args,), {flag: value}))
+
+
 def test_freeze_vision_tower_leaves_the_connector_and_the_language_model_trained(tiny_vlm):
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
     frozen = vlm.freeze_vision_tower(model)
@@ -189,12 +211,15 @@ def test_freeze_vision_tower_leaves_the_connector_and_the_language_model_trained
 VLLM_LOGPROBS = """
 import json, sys
 from PIL import Image
-from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=128, seed=0)
-prompt = {"prompt": sys.argv[2], "multi_modal_data": {"image": Image.new("RGB", (56, 56), (255, 0, 0))}}
-out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=1))[0]
-print(json.dumps({"prompt_ids": out.prompt_token_ids, "ids": out.outputs[0].token_ids,
-                  "logprobs": [d[t].logprob for t, d in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]}))
+from transformers import AutoTokenizer
+from common.vllm_engine import VLLMEngine
+engine = VLLMEngine(sys.argv[1], seed=0, max_model_len=128, tensor_parallel_size=1, gpu_memory_utilization=0.5,
+                    enforce_eager=True, dtype="float32", enable_sleep_mode=False, use_gpu=False, bundle_indices=None,
+                    llm_kwargs={})
+prompt_ids = AutoTokenizer.from_pretrained(sys.argv[1])(sys.argv[2], add_special_tokens=False)["input_ids"]
+image = Image.new("RGB", (56, 56), (255, 0, 0))
+sample = engine.generate([prompt_ids], max_tokens=6, seeds=[1], images=[[image]])[0][0]
+print(json.dumps({"ids": sample["token_ids"], "logprobs": sample["logprobs"]}))
 """
 
 
@@ -222,7 +247,8 @@ def test_sft_then_dpo_train_a_vlm_that_transformers_and_vllm_load_alike(tiny_vlm
     model = AutoModelForImageTextToText.from_pretrained(out)
     processor = AutoProcessor.from_pretrained(out)
 
-    # vLLM reads the saved model and processor, and scores its own sample as transformers does.
+    # A vLLM engine (common/vllm_engine.py) reads the saved model and processor, takes the image beside the prompt's
+    # tokens, and scores its own sample as transformers does.
     prompt = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
     result = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, out, prompt], cwd=ROOT, capture_output=True,
                             text=True, timeout=600)
@@ -230,12 +256,11 @@ def test_sft_then_dpo_train_a_vlm_that_transformers_and_vllm_load_alike(tiny_vlm
     assert result.returncode == 0, result.stderr[-3000:]
     sampled = json.loads(result.stdout.strip().splitlines()[-1])
     encoded = processor(text=[prompt], images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
-    assert sampled["prompt_ids"] == encoded["input_ids"][0].tolist()
-    ids = torch.tensor([sampled["prompt_ids"] + sampled["ids"]])
+    prompt_ids = encoded["input_ids"][0].tolist()  # the placeholder expanded, as vLLM expands it
     with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=encoded["pixel_values"],
+        logits = model(input_ids=torch.tensor([prompt_ids + sampled["ids"]]), pixel_values=encoded["pixel_values"],
                        pixel_attention_mask=encoded["pixel_attention_mask"]).logits
-    start = len(sampled["prompt_ids"]) - 1
+    start = len(prompt_ids) - 1
     logprobs = logits[0, start:-1].log_softmax(-1).gather(-1, torch.tensor(sampled["ids"])[:, None])[:, 0]
     assert (logprobs - torch.tensor(sampled["logprobs"])).abs().max() < 1e-4
 
@@ -249,3 +274,26 @@ def test_a_family_transformers_also_loads_as_a_causal_lm_stays_a_text_model(tiny
         os.makedirs(folder)
         (folder / "config.json").write_text(json.dumps(config))
         assert vlm.is_vision_language(str(folder)) is is_vlm, model_type
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_rejection_sampling_samples_image_prompts_into_sft_rows_that_train(tiny_vlm, image_dataset, tmp_path):
+    """rejection_sampling.py on a VLM: its engines get each prompt's images, and the best-of-n rows it writes (their
+    image paths absolute) train in sft.py."""
+    rows = [{"prompt": row["prompt"], "label": row["response"]} for row in data.load_records(image_dataset)]
+    prompts = write_jsonl(os.path.join(os.path.dirname(image_dataset), "prompts.jsonl"), rows)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_fn(prompts, responses, labels):\n    return [float(len(r)) for r in responses]\n")
+    out = str(tmp_path / "rs")
+    run_script("rejection_sampling.py", ["--pretrain", tiny_vlm, "--dataset", prompts, "--apply_chat_template",
+                                         "--reward_fn", f"{reward}:reward_fn", "--n_samples_per_prompt", "3",
+                                         "--generate_max_len", "6", "--keep_truncated", "--output_dir", out])
+    best = data.load_records(os.path.join(out, "best_of_n.jsonl"))
+    assert len(best) == len(rows)
+    images = [[part["image"] for part in row["prompt"][0]["content"] if part["type"] == "image"] for row in best]
+    assert images[0] == [os.path.join(os.path.dirname(image_dataset), "images", "red.png")]
+    assert images[2] == [part["image"] for part in rows[2]["prompt"][0]["content"] if part["type"] == "image"]
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--dataset", os.path.join(out, "best_of_n.jsonl"),
+                          "--apply_chat_template", "--train_batch_size", "3", "--micro_train_batch_size", "3",
+                          "--max_steps", "1", "--output_dir", str(tmp_path / "sft")])
