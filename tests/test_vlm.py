@@ -297,3 +297,26 @@ def test_rejection_sampling_samples_image_prompts_into_sft_rows_that_train(tiny_
     run_script("sft.py", ["--pretrain", tiny_vlm, "--dataset", os.path.join(out, "best_of_n.jsonl"),
                           "--apply_chat_template", "--train_batch_size", "3", "--micro_train_batch_size", "3",
                           "--max_steps", "1", "--output_dir", str(tmp_path / "sft")])
+
+
+def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, tmp_path):
+    from common.synthetic_image_task import CELL, GRID, write_image_task
+    from common.synthetic_task import reward_fn
+
+    files = write_image_task(str(tmp_path), seed=SEED, num_train=24, num_eval=8)
+    rows = data.load_records(files["sft_train"])
+    counts = []
+    for row in rows:
+        image = Image.open(tmp_path / row["prompt"][0]["content"][0]["image"]).convert("RGB")
+        # a square fills its box's corner, a circle leaves it white: count the cells whose corner pixel is red
+        corners = [image.getpixel((1 + (i % GRID) * CELL + 4, 1 + (i // GRID) * CELL + 4)) for i in range(GRID ** 2)]
+        counts.append(sum(r > 150 and g < 100 and b < 100 for r, g, b in corners))
+        assert str(counts[-1]) == row["response"]
+    assert set(counts) == {0, 1, 2, 3}
+    pairs = data.load_records(files["preference_train"])
+    assert all(pair["chosen"] == row["response"] != pair["rejected"] for pair, row in zip(pairs, rows))
+    labels = [row["label"] for row in data.load_records(files["prompts_train"])]
+    assert reward_fn([None] * len(rows), [row["response"] for row in rows], labels) == [1.0] * len(rows)
+    samples = vlm.build_vlm_sft_samples(rows, vlm.load_processor(tiny_vlm), files["sft_train"], "prompt",
+                                        "response", 64)
+    assert len(samples) == len(rows) and all(len(s["images"]) == 1 for s in samples)
