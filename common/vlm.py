@@ -54,6 +54,9 @@ def load_processor(path: str, flag: str = "--pretrain"):
         raise UserError(f"{flag} {path}: its processor has no image processor or image token, so it cannot read "
                         f"images; give a vision-language model's folder with its processor saved.")
     tokenizer = processor.tokenizer
+    if tokenizer.eos_token is None:
+        raise UserError(f"{flag} {path}: its tokenizer has no end-of-sequence token, which ends every response these "
+                        f"scripts train on or generate; set eos_token in its tokenizer_config.json.")
     if tokenizer.pad_token is None:  # padding is always masked out
         tokenizer.pad_token = tokenizer.eos_token
     return processor

@@ -320,3 +320,11 @@ def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, t
     samples = vlm.build_vlm_sft_samples(rows, vlm.load_processor(tiny_vlm), files["sft_train"], "prompt",
                                         "response", 64)
     assert len(samples) == len(rows) and all(len(s["images"]) == 1 for s in samples)
+
+
+def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    processor.tokenizer.eos_token = None
+    processor.save_pretrained(tmp_path)
+    with pytest.raises(vlm.UserError, match=rf"--pretrain {tmp_path}: its tokenizer has no end-of-sequence token"):
+        vlm.load_processor(str(tmp_path))
