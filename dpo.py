@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
-from common import checkpoint, data, lora
+from common import checkpoint, data, lora, vlm
 from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing,
                          parse_args, run_main)
 from common.deepspeed_utils import (check_reference_tokenizer, device, ds_config, gradient_accumulation_steps,
@@ -153,6 +153,9 @@ class Args:
     """weight of an NLL loss on the chosen responses (0: none; ORPO's own is 1)"""
     packing_samples: bool = False
     """pack each micro-batch into one row without padding"""
+    freeze_vision_tower: bool = True
+    """a vision-language model's vision tower keeps its weights (its connector and language model train); false
+    trains it too"""
 
 
 # A resumed run must match its checkpoint in these flags (what makes it this run: model, data, schedule), besides
@@ -242,8 +245,10 @@ def response_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the chosen and of the rejected responses, summed over response tokens: (pairs,) each."""
+    images = {k: v for k, v in batch.items() if k.startswith("pixel_")}  # a vision-language model's images
     logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"),
-                                   response_start(batch["loss_mask"][:, 1:]))  # (2 * pairs, seq - 1), or (1, total - 1)
+                                   response_start(batch["loss_mask"][:, 1:]),
+                                   **images)  # (2 * pairs, seq - 1), or (1, total - 1)
     logps = sequence_sums(logprobs * batch["loss_mask"][:, 1:], batch.get("position_ids"))  # (2 * pairs,)
     return logps.chunk(2)
 
@@ -276,16 +281,18 @@ def check_loss_type(args) -> None:
         raise UserError("ORPO's loss holds the chosen responses' NLL at weight 1 already; leave out --nll_loss_coef.")
 
 
-def collate(samples, tokenizer, packing: bool, dev) -> dict:
+def collate(samples, tokenizer, packing: bool, dev, processor=None) -> dict:
     """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch or packed into one (1, total) row:
     one forward pass scores both."""
     sequences = [s["chosen"] for s in samples] + [s["rejected"] for s in samples]
     batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
+    if processor is not None:
+        batch.update(vlm.image_inputs(processor, sequences, packing))
     return {k: v.to(dev) for k, v in batch.items()}
 
 
 @torch.no_grad()
-def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> dict:
+def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size, processor=None) -> dict:
     """Mean loss, reward accuracy and reward margin over the eval pairs, each rank taking every world_size-th pair."""
     engine.eval()
     names = ("loss", "correct", "margins", "pairs")  # sums over pairs
@@ -294,7 +301,7 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
-        batch = collate(chunk, tokenizer, args.packing_samples, device())
+        batch = collate(chunk, tokenizer, args.packing_samples, device(), processor)
         ref_logps = None if args.loss_type in REFERENCE_FREE else ref_forward_logps(engine, ref_engine, batch)
         losses, chosen_rewards, rejected_rewards = preference_losses(args, *forward_logps(engine, batch), ref_logps,
                                                                      response_lengths(batch))
@@ -310,7 +317,8 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
 def check_args(args: Args) -> None:
     """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
-    check_causal_lm(args.pretrain)
+    if not vlm.check_trainer_args(args):
+        check_causal_lm(args.pretrain)
     if args.packing_samples:
         check_packing(args.pretrain)
         if args.ref_pretrain:
@@ -335,13 +343,21 @@ def main(args: Args):
     ckpt_dir = checkpoint.checkpoint_dir(args)
     settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
-    tokenizer = load_tokenizer(args.pretrain)
+    processor = vlm.load_processor(args.pretrain) if vlm.is_vision_language(args.pretrain) else None
+    tokenizer = processor.tokenizer if processor else load_tokenizer(args.pretrain)
     uses_reference = args.loss_type not in REFERENCE_FREE
     if uses_reference:
         check_reference_tokenizer(args, tokenizer)
 
     def load_samples(source, split):
         rows = data.load_records(source, split)
+        if processor:
+            samples = vlm.build_vlm_preference_samples(rows, processor, source, args.input_key, args.chosen_key,
+                                                       args.rejected_key, args.max_len,
+                                                       log=lambda msg: print_rank0(launcher_rank, msg))
+            vlm.check_images_in_every_sample(samples, source, args.zero_stage, launcher_world_size)
+            return samples
+        vlm.check_takes_images(rows, args.input_key, source, args.pretrain)
         return data.build_preference_samples(rows, tokenizer, source, args.input_key, args.chosen_key,
                                              args.rejected_key, args.max_len, args.apply_chat_template,
                                              args.input_template, log=lambda msg: print_rank0(launcher_rank, msg))
@@ -363,6 +379,8 @@ def main(args: Args):
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
                        **lora.load_kwargs(args))
+    if processor and args.freeze_vision_tower:
+        vlm.freeze_vision_tower(model)
     model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
@@ -385,7 +403,7 @@ def main(args: Args):
                                                for indices in step_batches for i in indices)), device=device())
         dist.all_reduce(chosen_tokens)
         for indices in step_batches:
-            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device(), processor)
             ref_start = time.time()
             ref_logps = ref_forward_logps(engine, ref_engine, batch) if uses_reference else None
             get_accelerator().synchronize()  # GPU kernels run asynchronously: time the work, not its launch
@@ -417,7 +435,7 @@ def main(args: Args):
         if args.loss_type == "orpo" or args.nll_loss_coef:  # the term added to train/loss, per chosen token
             metrics["train/nll_loss"] = -total["chosen_logps"] / max(chosen_tokens.item(), 1)
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
-            metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+            metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size, processor))
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(step + 1, metrics)
         bar.update(1)
@@ -429,9 +447,9 @@ def main(args: Args):
 
     summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
     if eval_samples:
-        summary.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+        summary.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size, processor))
         logger.log(total_steps, summary)
-    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank,
+    checkpoint.save_hf_model(engine, processor or tokenizer, args.output_dir, rank,
                              stop_ids=data.generation_stop_ids(tokenizer, args.apply_chat_template))
     logger.close()
     print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "

@@ -64,7 +64,7 @@ from typing import Literal
 import ray
 import torch
 
-from common import data, rewards
+from common import data, rewards, vlm
 from common.args import (UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
                          check_output_dir, model_max_len, parse_args, run_main, stop_on_sigterm)
 from common.checkpoint import SaveFailed, describe, write_atomically
@@ -231,7 +231,8 @@ def check_args(args: Args) -> None:
     """Mistakes in the flags, caught before anything loads; fills in --max_model_len from the model."""
     rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
     check_model_path(args.pretrain)
-    check_causal_lm(args.pretrain)
+    if not vlm.check_sampler_args(args):
+        check_causal_lm(args.pretrain)
     check_output_dir(args.output_dir)
     limit = model_max_len(args.pretrain)
     if args.max_model_len is None:
@@ -279,11 +280,11 @@ def tokenize_prompts(tokenizer, prompts: list, args: Args, source: str) -> list[
     return ids
 
 
-def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, desc: str):
+def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, desc: str, images=None):
     """n sampled responses (token ids) per prompt from fresh vLLM engines, which are shut down afterwards.
 
     Returns (responses, which of them were cut at --generate_max_len, seconds spent sampling once the engines were
-    up).
+    up). `images`: a vision-language policy's, one list per prompt (common/vlm.py prompts_with_images).
     """
     ray.init(address="local", include_dashboard=False, log_to_driver=False)  # this run's own, even if another runs
     stop_on_sigterm()  # Ray's driver took SIGTERM over (it aborts); a stop should say what survives
@@ -293,12 +294,13 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
                                       dtype=None if args.vllm_dtype == "trainer" else args.vllm_dtype,
                                       stop_at_end_of_turn=args.apply_chat_template)
         start = time.time()
-        chunks = [prompt_ids[i: i + args.generate_batch_size] for i in range(0, len(prompt_ids),
-                                                                              args.generate_batch_size)]
+        starts = range(0, len(prompt_ids), args.generate_batch_size)
+        chunks = [prompt_ids[i: i + args.generate_batch_size] for i in starts]
         pending = {engines[c % len(engines)].generate.remote(chunk, n=args.n_samples_per_prompt,
                                                              temperature=args.temperature, top_p=args.top_p,
-                                                             max_tokens=args.generate_max_len, logprobs=False): c
-                   for c, chunk in enumerate(chunks)}
+                                                             max_tokens=args.generate_max_len, logprobs=False,
+                                                             images=images and images[i: i + len(chunk)]): c
+                   for c, (i, chunk) in enumerate(zip(starts, chunks))}
         results = [None] * len(chunks)
         bar = progress(len(prompt_ids) * args.n_samples_per_prompt, 0, desc)
         while pending:
@@ -439,6 +441,11 @@ def main(args: Args):
     if not rows:
         raise data.DataError(f"dataset {args.dataset} is empty.")
     all_prompts = [data.get_key(row, args.input_key, i, args.dataset) for i, row in enumerate(rows)]
+    all_images = None  # a vision-language policy's: one list per prompt
+    if vlm.is_vision_language(args.pretrain):
+        all_prompts, all_images = vlm.prompts_with_images(all_prompts, args.dataset)
+    else:
+        vlm.check_takes_images(rows, args.input_key, args.dataset, args.pretrain)
     read = args.reward_fn or args.remote_rm_url  # what gets the labels: said when they are missing
     all_labels = data.get_labels(rows, args.label_key, args.dataset, print if read else lambda message: None)
     all_ids = tokenize_prompts(tokenizer, all_prompts, args, args.dataset)
@@ -473,7 +480,8 @@ def main(args: Args):
                                               args, args.dataset)
             token_ids, cut, seconds["sampling"] = generate(args, policy, sample_ids,
                                                            args.seed + k * args.vllm_num_engines,
-                                                           f"iteration {k}: generate")
+                                                           f"iteration {k}: generate",
+                                                           all_images and [all_images[i] for i in picked])
             responses = [[data.decode_response(tokenizer, ids, response) for response in samples]
                          for ids, samples in zip(sample_ids, token_ids)]
             write_jsonl(files["generations"], [{"prompt": p, "label": label, "responses": texts, "truncated": c}

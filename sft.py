@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common import checkpoint, data, lora
+from common import checkpoint, data, lora, vlm
 from common.args import (check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing, parse_args,
                          run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
@@ -119,6 +119,9 @@ class Args:
     """continued pretraining: train on every token of the text under --input_key"""
     packing_samples: bool = False
     """pack each micro-batch into one row without padding"""
+    freeze_vision_tower: bool = True
+    """a vision-language model's vision tower keeps its weights (its connector and language model train); false
+    trains it too"""
 
 
 # A resumed run must match its checkpoint in these flags (what makes it this run: model, data, schedule), besides
@@ -142,17 +145,21 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, tokens: torch.Tens
 def forward_logprobs(model, batch: dict) -> torch.Tensor:
     """Next-token log-probs for a padded or a packed batch; 0 before its loss mask's first trained token."""
     start = response_start(batch["loss_mask"][:, 1:]) if "loss_mask" in batch else 0
-    return next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"), start)
+    images = {k: v for k, v in batch.items() if k.startswith("pixel_")}  # a vision-language model's images
+    return next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"), start,
+                               **images)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-def collate(samples, tokenizer, packing: bool, dev) -> dict:
+def collate(samples, tokenizer, packing: bool, dev, processor=None) -> dict:
     batch = data.pack_collate(samples) if packing else data.pad_collate(samples, tokenizer.pad_token_id)
+    if processor is not None:
+        batch.update(vlm.image_inputs(processor, samples, packing))
     return {k: v.to(dev) for k, v in batch.items()}
 
 
 @torch.no_grad()
-def evaluate(engine, samples, args, tokenizer, rank, world_size) -> float:
+def evaluate(engine, samples, args, tokenizer, rank, world_size, processor=None) -> float:
     """Token-level mean NLL over the eval set, each rank taking every world_size-th sample."""
     engine.eval()
     total = torch.zeros(2, device=device())  # (sum of NLL, number of tokens)
@@ -161,7 +168,7 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> float:
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
-        batch = collate(chunk, tokenizer, args.packing_samples, device())
+        batch = collate(chunk, tokenizer, args.packing_samples, device(), processor)
         logprobs = forward_logprobs(engine, batch)
         mask = batch["loss_mask"][:, 1:].float()
         total += weight * torch.stack([-(logprobs * mask).sum(), mask.sum()])
@@ -173,7 +180,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> float:
 def check_args(args: Args) -> None:
     """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
-    check_causal_lm(args.pretrain)
+    if not vlm.check_trainer_args(args):
+        check_causal_lm(args.pretrain)
     if args.packing_samples:
         check_packing(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
@@ -192,10 +200,17 @@ def main(args: Args):
     ckpt_dir = checkpoint.checkpoint_dir(args)
     settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
-    tokenizer = load_tokenizer(args.pretrain)
+    processor = vlm.load_processor(args.pretrain) if vlm.is_vision_language(args.pretrain) else None
+    tokenizer = processor.tokenizer if processor else load_tokenizer(args.pretrain)
 
     def load_samples(source, split):
         rows = data.load_records(source, split)
+        if processor:
+            samples = vlm.build_vlm_sft_samples(rows, processor, source, args.input_key, args.output_key,
+                                                args.max_len, log=lambda msg: print_rank0(launcher_rank, msg))
+            vlm.check_images_in_every_sample(samples, source, args.zero_stage, launcher_world_size)
+            return samples
+        vlm.check_takes_images(rows, args.input_key, source, args.pretrain)
         return data.build_sft_samples(rows, tokenizer, source, args.input_key, args.output_key, args.max_len,
                                       args.apply_chat_template, args.input_template, args.pretrain_mode,
                                       log=lambda msg: print_rank0(launcher_rank, msg))
@@ -217,6 +232,8 @@ def main(args: Args):
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing, dropout=True,
                        **lora.load_kwargs(args))
+    if processor and args.freeze_vision_tower:
+        vlm.freeze_vision_tower(model)
     model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
@@ -238,7 +255,7 @@ def main(args: Args):
         dist.all_reduce(tokens)
         scale = len(step_batches) * world_size
         for indices in step_batches:
-            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device(), processor)
             loss = sft_loss(forward_logprobs(engine, batch), batch["loss_mask"], tokens) * scale
             aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
             engine.backward(loss + aux)
@@ -251,7 +268,7 @@ def main(args: Args):
         if stats[3]:
             metrics["train/aux_loss"] = stats[3] / stats[1]
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
-            metrics["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size)
+            metrics["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size, processor)
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(step + 1, metrics)
         bar.update(1)
@@ -263,9 +280,9 @@ def main(args: Args):
 
     summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
     if eval_samples:
-        summary["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size)
+        summary["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size, processor)
         logger.log(total_steps, summary)
-    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank,
+    checkpoint.save_hf_model(engine, processor or tokenizer, args.output_dir, rank,
                              stop_ids=data.generation_stop_ids(tokenizer, args.apply_chat_template))
     logger.close()
     print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "

@@ -14,7 +14,7 @@ import time
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
 from common.args import UserError, check_causal_lm, check_model_path
@@ -22,6 +22,7 @@ from common.cpu_memory import keep_freed_memory
 from common.lora import dequantized
 from common.modeling import keep_router_loss
 from common.net import free_port, release_port
+from common.vlm import is_vision_language
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
 # cost more than it saves. Kept low so that even the tiny test model is really partitioned.
@@ -230,9 +231,12 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
     """Load a Hugging Face model; under ZeRO-3 it is partitioned while it loads, never whole on one rank.
 
     transformers partitions at load while a HfDeepSpeedConfig object is alive, so it is kept on the model. Dropout is
-    off (disable_dropout) unless `dropout`: only SFT trains with the dropout a model's config asks for.
+    off (disable_dropout) unless `dropout`: only SFT trains with the dropout a model's config asks for. A
+    vision-language model asked for as a causal LM loads whole, vision tower included (common/vlm.py).
     """
     check_model_path(path, flag)
+    if model_class is AutoModelForCausalLM and is_vision_language(path):
+        model_class = AutoModelForImageTextToText
     if model_class is AutoModelForCausalLM:
         check_causal_lm(path, flag)
     hf_ds_config = HfDeepSpeedConfig(config) if config["zero_optimization"]["stage"] == 3 else None

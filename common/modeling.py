@@ -38,14 +38,18 @@ def within_sampling_support(logits: torch.Tensor, labels: torch.Tensor, top_p: f
     return logits.masked_fill(outside, torch.finfo(logits.dtype).min)
 
 
-def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None, start: int = 0) -> torch.Tensor:
+def next_token_logprobs(model, input_ids, attention_mask=None, position_ids=None, start: int = 0,
+                        **inputs) -> torch.Tensor:
     """Log-prob of each token given the ones before it: (batch, seq - 1), entry t is for token t + 1; 0 before entry
-    `start`, whose logits next_token_logits skips (response_start of the loss mask: the prompts need none)."""
-    logits = next_token_logits(model, input_ids, attention_mask, position_ids, start)  # (batch, seq - 1 - start, vocab)
+    `start`, whose logits next_token_logits skips (response_start of the loss mask: the prompts need none). `inputs`
+    go to the forward as they are: a vision-language model's pixel values (common/vlm.py image_inputs)."""
+    # (batch, seq - 1 - start, vocab)
+    logits = next_token_logits(model, input_ids, attention_mask, position_ids, start, **inputs)
     return F.pad(token_logprobs(logits, input_ids[:, start + 1:]), (start, 0))
 
 
-def next_token_logits(model, input_ids, attention_mask=None, position_ids=None, start: int = 0) -> torch.Tensor:
+def next_token_logits(model, input_ids, attention_mask=None, position_ids=None, start: int = 0,
+                      **inputs) -> torch.Tensor:
     """The logits that predict tokens start + 1 .. seq - 1, each from the positions before it: (batch, seq - 1 -
     start, vocab), entry t for token start + t + 1.
 
@@ -57,7 +61,7 @@ def next_token_logits(model, input_ids, attention_mask=None, position_ids=None, 
     kept = input_ids.shape[1] - start  # the last positions, whose logits are needed (the very last predicts nothing)
     keep = {"logits_to_keep": kept} if start and takes_logits_to_keep(model) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   **keep).logits  # (batch, seq or kept, vocab)
+                   **keep, **inputs).logits  # (batch, seq or kept, vocab)
     return logits[:, -kept:-1]
 
 

@@ -1,0 +1,331 @@
+"""Vision-language models: images in dataset rows, the model's processor, and the vision tower in training.
+
+A row's messages hold images as content parts, in the form processors take: {"type": "image", "image": ...} beside
+{"type": "text", "text": ...}. The image is a path relative to the dataset file's folder, an absolute path, or base64
+(a `data:image/...;base64,` URI or the bare base64 text). Each image is read and decoded while the data loads, so a
+bad one stops the run before anything trains, with the file and sample named.
+
+The chat template writes one placeholder per image part (Idefics3's "<image>"); a sample's tokens are the rendered
+text's tokens with each placeholder replaced by what the processor expands it into for that image (markers and one
+token per image feature). Truncation never cuts into an image's tokens: a sample whose images end past --max_len is
+refused, since a model cannot read part of an image. The images themselves stay in the sample, and the batch's
+pixel values are computed when it is collated, in the order their placeholders appear, as the model's forward reads
+them.
+"""
+
+import base64
+import binascii
+import io
+import json
+import os
+import re
+
+import torch
+
+from common.args import UserError, config_file
+from common.data import (DataError, as_messages, checked_samples, get_key, get_response, render_chat, sample_context,
+                         tokenize_with_spans)
+
+
+def is_vision_language(path: str) -> bool:
+    """Whether the model folder's config.json describes a vision-language model that only loads as one: it has a
+    vision_config and transformers has no causal-LM class for its type. The families transformers also loads as causal
+    LMs (Gemma 3, Llama 4, Qwen3.5, ...) keep training as text models, as they did before images were taken."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    file = config_file(path)
+    if file is None:
+        return False
+    with open(file) as f:
+        config = json.load(f)
+    return "vision_config" in config and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def load_processor(path: str, flag: str = "--pretrain"):
+    """The model's processor (tokenizer, image processor, chat template), as AutoProcessor loads it."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{flag} {path}: no processor could be loaded for this vision-language model ({e}); save "
+                        f"the processor beside the model (processor.save_pretrained).") from None
+    if getattr(processor, "image_processor", None) is None or not getattr(processor, "image_token", None):
+        raise UserError(f"{flag} {path}: its processor has no image processor or image token, so it cannot read "
+                        f"images; give a vision-language model's folder with its processor saved.")
+    tokenizer = processor.tokenizer
+    if tokenizer.eos_token is None:
+        raise UserError(f"{flag} {path}: its tokenizer has no end-of-sequence token, which ends every response these "
+                        f"scripts train on or generate; set eos_token in its tokenizer_config.json.")
+    if tokenizer.pad_token is None:  # padding is always masked out
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
+
+
+def vision_tower(model) -> torch.nn.Module:
+    """The submodule that encodes images: the one built from the model's vision_config (Idefics3's vision_model,
+    Qwen-VL's visual, LLaVA's vision_tower)."""
+    model = getattr(model, "module", model)
+    vision_config = model.config.vision_config
+    for module in model.modules():
+        if getattr(module, "config", None) is vision_config and module is not model:
+            return module
+    raise UserError(f"found no vision tower in the {type(model).__name__} (no module built from its vision_config); "
+                    f"train it with --freeze_vision_tower false, or give a model whose tower transformers builds.")
+
+
+def freeze_vision_tower(model) -> int:
+    """Stop the vision tower's training (the connector and the language model still train); returns the number of
+    parameters frozen. The optimizer then holds no state for them."""
+    tower = vision_tower(model)
+    tower.requires_grad_(False)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in tower.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ reading images
+_DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.ASCII)
+_BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}", re.ASCII)  # bare base64 text: no dot, unlike a file name
+
+
+def read_image(value, base_dir: str):
+    """A PIL image (RGB) from a path (relative to base_dir, or absolute) or base64 text; a DataError otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(value, str) or not value:
+        raise DataError(f"an image part's 'image' must be a path or base64 text, got {str(value)[:40]!r}.")
+    path = os.path.join(base_dir, os.path.expanduser(value))
+    base64_text = _DATA_URI.sub("", value, count=1)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            raw, what = f.read(), f"image {path}"
+    elif base64_text != value or _BASE64.fullmatch(value):
+        try:
+            raw = base64.b64decode(base64_text, validate=True)
+        except (binascii.Error, ValueError):
+            raise DataError(f"image {value[:40]!r}... is not valid base64; fix its encoding.") from None
+        what = f"image {value[:40]!r}... (read as base64, there being no such file)"
+    else:
+        raise DataError(f"image {value!r} does not exist (a relative path is read from the dataset's folder "
+                        f"{base_dir or '.'}); fix the path.")
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{what} could not be decoded ({type(e).__name__}: {e}); replace it with a PNG or JPEG "
+                        f"file.") from None
+    return image.convert("RGB")
+
+
+def split_images(messages: list[dict], base_dir: str) -> tuple[list[dict], list]:
+    """The messages with each image part reduced to {"type": "image"} (what templates render), and the images read,
+    in the order of their parts."""
+    rendered, images = [], []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    images.append(read_image(part.get("image", part.get("path")), base_dir))
+                    part = {"type": "image"}
+                parts.append(part)
+            message = dict(message, content=parts)
+        rendered.append(message)
+    return rendered, images
+
+
+def prompts_with_images(prompts: list, source: str) -> tuple[list, list[list]]:
+    """Prompts for sampling (rejection_sampling.py): each with its image paths made absolute, so that the rows
+    written elsewhere still find them, and the images read, one list per prompt (empty for a text prompt)."""
+    folder, absolute, images = dataset_folder(source), [], []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, list):  # a text prompt holds no image
+            absolute.append(prompt)
+            images.append([])
+            continue
+        with sample_context(source, i):
+            messages = as_messages(prompt)
+            images.append(split_images(messages, folder)[1])
+        absolute.append([dict(m, content=[_absolute(part, folder) for part in m["content"]])
+                         if isinstance(m["content"], list) else m for m in messages])
+    return absolute, images
+
+
+def _absolute(part, folder: str):
+    """An image part whose path is relative made absolute; any other part as it is."""
+    if not (isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("image"), str)):
+        return part
+    path = os.path.join(folder, os.path.expanduser(part["image"]))
+    return dict(part, image=os.path.abspath(path)) if os.path.isfile(path) else part
+
+
+def rows_with_images(rows: list[dict], key: str) -> int:
+    """How many rows hold an image part under `key` (a text model is refused such rows)."""
+    def has_image(value) -> bool:
+        return isinstance(value, list) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), list)
+            and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in value)
+
+    return sum(has_image(row.get(key)) for row in rows)
+
+
+def check_takes_images(rows: list[dict], key: str, source: str, model_path: str) -> None:
+    """Refuse image rows for a model that takes no images, before the chat template would fail on them."""
+    count = rows_with_images(rows, key)
+    if count and not is_vision_language(model_path):
+        raise DataError(f"{source}: {count} rows hold images under {key!r}, and the model {model_path} takes none "
+                        f"(its config has no vision_config); give a vision-language model, or remove the images.")
+
+
+# ------------------------------------------------------------------------------------------------------ samples
+def image_token_ids(processor, image) -> list[int]:
+    """The tokens the processor writes in place of one image's placeholder: its markers and feature tokens."""
+    encoded = processor(text=[processor.image_token], images=[[image]], add_special_tokens=False)
+    return list(encoded["input_ids"][0])
+
+
+def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], images: list):
+    """Tokenize a rendered text whose image placeholders are expanded: (input_ids, loss_mask, end of the last image's
+    tokens). The placeholder is a special token, so the text around it tokenizes alike alone or whole."""
+    pieces = text.split(processor.image_token)
+    if len(pieces) - 1 != len(images):
+        raise DataError(f"the rendered text holds {len(pieces) - 1} image placeholders {processor.image_token!r} "
+                        f"for {len(images)} image parts; remove that token from the text parts.")
+    ids, mask, offset, images_end = [], [], 0, 0
+    for k, piece in enumerate(pieces):
+        piece_spans = [(s - offset, e - offset) for s, e in spans]
+        piece_ids, piece_mask = tokenize_with_spans(processor.tokenizer, piece, piece_spans)
+        ids, mask = ids + piece_ids, mask + piece_mask
+        if k < len(images):
+            expansion = image_token_ids(processor, images[k])
+            ids, mask = ids + expansion, mask + [0] * len(expansion)
+            images_end = len(ids)
+        offset += len(piece) + len(processor.image_token)
+    return ids, mask, images_end
+
+
+def vlm_sample(processor, messages: list[dict], base_dir: str, max_len: int) -> tuple[dict, bool]:
+    """One conversation with images as {"input_ids", "loss_mask", "images"}, its assistant turns trained on, and
+    whether it was truncated to max_len. Truncation never cuts into an image: a DataError instead."""
+    messages, images = split_images(messages, base_dir)
+    text, spans = render_chat(processor.tokenizer, messages)
+    ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
+    if images_end > max_len:
+        raise DataError(f"its images end at token {images_end}, past --max_len {max_len}, and an image cut short "
+                        f"cannot be read; raise --max_len, or give this row fewer or smaller images.")
+    mask[0] = 0  # the first token has nothing before it to be predicted from
+    truncated = len(ids) > max_len
+    return {"input_ids": ids[:max_len], "loss_mask": mask[:max_len], "images": images}, truncated
+
+
+def dataset_folder(source: str) -> str:
+    """Where a dataset's relative image paths start: the folder of its file, or the folder itself."""
+    return os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else source
+
+
+def build_vlm_sft_samples(rows, processor, source, input_key, output_key, max_len, log=print) -> list[dict]:
+    """Tokenize rows with images for SFT into {"input_ids", "loss_mask", "images"}, rendered with the chat template.
+
+    Truncated as common.data.build_sft_samples truncates, never into an image's tokens (a DataError that names the
+    sample); a sample left with no trained token is dropped and counted.
+    """
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, dropped = [], 0, 0
+    for i, row in enumerate(rows):
+        with sample_context(source, i):
+            if isinstance(row.get(input_key), list) and output_key not in row:
+                messages = as_messages(row[input_key])
+            else:
+                response = get_response(row, output_key, i, source, input_key)
+                messages = as_messages(get_key(row, input_key, i, source))
+                messages = messages + [{"role": "assistant", "content": response}]
+            sample, cut = vlm_sample(processor, messages, dataset_folder(source), max_len)
+        truncated += cut
+        if sum(sample["loss_mask"]) == 0:
+            dropped += 1
+            continue
+        samples.append(sample)
+    return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def build_vlm_preference_samples(rows, processor, source, input_key, chosen_key, rejected_key, max_len,
+                                 log=print) -> list[dict]:
+    """Tokenize preference pairs whose prompts hold images into {"chosen", "rejected", "margin": 0.0} (dpo.py), each
+    side a vlm_sample of the prompt's messages and its response. Pairs left without a response token, or with two
+    identical ones, are skipped and counted, as common.data.build_preference_samples does."""
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, dropped, identical = [], 0, 0, 0
+    for i, row in enumerate(rows):
+        with sample_context(source, i):
+            prompt = as_messages(get_key(row, input_key, i, source))
+            pair = {"margin": 0.0}
+            for side, key in (("chosen", chosen_key), ("rejected", rejected_key)):
+                response = get_response(row, key, i, source, input_key)
+                pair[side], cut = vlm_sample(processor, prompt + [{"role": "assistant", "content": response}],
+                                             dataset_folder(source), max_len)
+                truncated += cut
+        if not sum(pair["chosen"]["loss_mask"]) or not sum(pair["rejected"]["loss_mask"]):
+            dropped += 1
+        elif pair["chosen"]["input_ids"] == pair["rejected"]["input_ids"]:
+            identical += 1
+        else:
+            samples.append(pair)
+    if identical:
+        log(f"warning: {source}: skipped {identical} of {len(rows)} pairs whose {chosen_key!r} and {rejected_key!r} "
+            f"are identical (or differ only past --max_len {max_len}).")
+    return checked_samples(samples, source, max_len, log, truncated, dropped, "responses", "pairs")
+
+
+def image_inputs(processor, samples: list[dict], packing: bool) -> dict[str, torch.Tensor]:
+    """The forward's image tensors for a collated batch (Idefics3: pixel_values (batch, images, 3, H, W) and their
+    pixel_attention_mask): one row of images per padded sample, or one for the packed row; {} without images."""
+    rows = [sum((s["images"] for s in samples), [])] if packing else [s["images"] for s in samples]
+    if not any(rows):
+        return {}
+    encoded = processor.image_processor(images=rows, return_tensors="pt")
+    return {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}
+
+
+def check_trainer_args(args) -> bool:
+    """Refuse the trainer flags that cannot apply to a vision-language --pretrain, from its config.json; returns
+    whether it is one. Its rows are chat messages with image parts, which only its chat template renders."""
+    if not is_vision_language(args.pretrain):
+        return False
+    refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
+               (getattr(args, "pretrain_mode", False), "takes no --pretrain_mode (its rows are chat messages)"),
+               (getattr(args, "lora_rank", 0), "is trained whole here: LoRA on its language model is not built yet, "
+                                                 "leave out --lora_rank"),
+               (getattr(args, "packing_samples", False), "is trained on padded batches here: leave out "
+                                                          "--packing_samples")]
+    for wrong, what in refused:
+        if wrong:
+            raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
+    return True
+
+
+def check_images_in_every_sample(samples: list[dict], source: str, zero_stage: int, world_size: int) -> None:
+    """Refuse rows without images beside rows with them under ZeRO-3 on several ranks: a micro-batch without an image
+    skips the vision tower, whose partitioned weights the other ranks' forwards then wait forever to gather."""
+    without = sum(not (s["chosen"] if "chosen" in s else s)["images"] for s in samples)
+    if zero_stage == 3 and world_size > 1 and 0 < without < len(samples):
+        raise DataError(f"{source}: {without} of {len(samples)} rows hold no image, and under ZeRO-3 on several ranks "
+                        f"a micro-batch without one skips the vision tower while the other ranks wait to gather it; "
+                        f"give every row an image, or train with --zero_stage 2.")
+
+
+def check_sampler_args(args) -> bool:
+    """Refuse rejection_sampling.py's flags that cannot apply to a vision-language --pretrain; returns whether it is
+    one. Its prompts are chat messages with image parts; a reward model here reads text alone, and --mode csft writes
+    the reward into a prompt's text."""
+    if not is_vision_language(args.pretrain):
+        return False
+    refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
+               (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
+                                      "alone, leave out --reward_pretrain"),
+               (args.mode == "csft", "takes --mode best_of_n or dpo_pairs (csft writes rewards into text prompts)")]
+    for wrong, what in refused:
+        if wrong:
+            raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
+    return True

@@ -1,0 +1,330 @@
+"""Vision-language models: the tiny Idefics3 of common/tiny_vlm.py, image rows through its processor (common/vlm.py),
+every bad image refused with the file and sample named, and sft.py and dpo.py training one that transformers and vLLM
+load."""
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, SEED, run_script
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from common import data, vlm
+from common.tiny_vlm import IMAGE_TOKENS, write_tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> str:
+    return write_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")), seed=SEED)
+
+
+def png_bytes(size, colour) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def image_row(image_values: list, text="how many red squares?", response="3", rejected="7") -> dict:
+    """A row for sft.py (prompt, response) and dpo.py (prompt, chosen, rejected)."""
+    parts = [{"type": "image", "image": value} for value in image_values] + [{"type": "text", "text": text}]
+    return {"prompt": [{"role": "user", "content": parts}], "response": response, "chosen": response,
+            "rejected": rejected}
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+@pytest.fixture()
+def image_dataset(tmp_path):
+    """Rows naming their images each way the data format allows: relative, absolute, a data URI, bare base64."""
+    os.makedirs(tmp_path / "images")
+    (tmp_path / "images" / "red.png").write_bytes(png_bytes((40, 56), (255, 0, 0)))
+    (tmp_path / "blue.png").write_bytes(png_bytes((56, 56), (0, 0, 255)))
+    green = base64.b64encode(png_bytes((20, 30), (0, 255, 0))).decode()
+    rows = [image_row(["images/red.png"], response="3"),
+            image_row([str(tmp_path / "blue.png"), "data:image/png;base64," + green], "same colour?", "no"),
+            image_row([green], "what colour?", "green")]
+    return write_jsonl(tmp_path / "train.jsonl", rows)
+
+
+def test_tiny_vlm_loads_as_an_image_text_to_text_model_whose_output_depends_on_the_image(tiny_vlm):
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    text = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
+    last_logits = []
+    for colour in ((255, 0, 0), (0, 0, 255)):
+        encoded = processor(text=[text], images=[[Image.new("RGB", (56, 56), colour)]], return_tensors="pt")
+        assert (encoded["input_ids"] == model.config.image_token_id).sum() == IMAGE_TOKENS
+        with torch.no_grad():
+            last_logits.append(model(**encoded).logits[0, -1])
+    assert (last_logits[0] - last_logits[1]).abs().max() > 1e-3
+
+
+def test_image_rows_tokenize_as_the_processor_does_and_train_on_the_response_only(tiny_vlm, image_dataset):
+    processor = vlm.load_processor(tiny_vlm)
+    rows = data.load_records(image_dataset)
+    samples = vlm.build_vlm_sft_samples(rows, processor, image_dataset, "prompt", "response", max_len=128)
+    assert [len(s["images"]) for s in samples] == [1, 2, 1]
+    for row, sample in zip(rows, samples):
+        messages, images = vlm.split_images(row["prompt"] + [{"role": "assistant", "content": row["response"]}],
+                                            os.path.dirname(image_dataset))
+        whole = processor(text=[processor.apply_chat_template(messages, tokenize=False)], images=[images],
+                          add_special_tokens=False)
+        assert sample["input_ids"] == list(whole["input_ids"][0])
+        trained = [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m]
+        assert processor.tokenizer.decode(trained) == row["response"] + processor.tokenizer.eos_token
+    batch = vlm.image_inputs(processor, samples, packing=False)
+    assert batch["pixel_values"].shape == (3, 2, 3, 56, 56)  # (samples, most images in a sample, channels, H, W)
+    assert batch["pixel_values"][0, 1].abs().sum() == 0  # the first sample's second image is padding
+
+
+def test_preference_pairs_share_the_prompt_and_its_images_and_train_on_each_response(tiny_vlm, image_dataset):
+    processor = vlm.load_processor(tiny_vlm)
+    rows = data.load_records(image_dataset)
+    pairs = vlm.build_vlm_preference_samples(rows, processor, image_dataset, "prompt", "chosen", "rejected", 128)
+    assert len(pairs) == len(rows)
+    for row, pair in zip(rows, pairs):
+        chosen, rejected = pair["chosen"], pair["rejected"]
+        prompt_length = len(chosen["input_ids"]) - sum(chosen["loss_mask"])
+        assert chosen["input_ids"][:prompt_length] == rejected["input_ids"][:prompt_length]
+        assert len(chosen["images"]) == len(rejected["images"]) == len(row["prompt"][0]["content"]) - 1
+        for side, key in ((chosen, "chosen"), (rejected, "rejected")):
+            trained = [t for t, m in zip(side["input_ids"], side["loss_mask"]) if m]
+            assert processor.tokenizer.decode(trained) == row[key] + processor.tokenizer.eos_token
+
+
+def test_truncation_cuts_the_response_and_never_an_image(tiny_vlm, tmp_path):
+    processor = vlm.load_processor(tiny_vlm)
+    (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
+    source = write_jsonl(tmp_path / "train.jsonl", [image_row(["red.png"], response="1 2 3 4 5 6 7 8")])
+    rows = data.load_records(source)
+    whole = vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", max_len=256)[0]
+    images_end = max(i for i, t in enumerate(whole["input_ids"]) if t == processor.fake_image_token_id) + 1
+    logged = []
+    cut = vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", len(whole["input_ids"]) - 3,
+                                    log=logged.append)[0]
+    assert cut["input_ids"] == whole["input_ids"][:-3] and "1 of 1 samples truncated" in logged[0]
+    with pytest.raises(data.DataError, match="before its response starts"):  # the images fit, the response does not
+        vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", max_len=images_end)
+    with pytest.raises(data.DataError, match=rf"train.jsonl, sample 0: its images end at token {images_end}, past "
+                                             rf"--max_len {images_end - 1}"):
+        vlm.build_vlm_sft_samples(rows, processor, source, "prompt", "response", max_len=images_end - 1)
+
+
+@pytest.mark.parametrize("image, message", [
+    ("missing.png", r"sample 1: image 'missing.png' does not exist \(a relative path is read from the dataset's "
+                    r"folder .*\); fix the path"),
+    ("not_an_image.png", r"sample 1: image .*not_an_image.png could not be decoded \(UnidentifiedImageError"),
+    ("data:image/png;base64,@@@", r"sample 1: image 'data:image/png;base64,@@@'\.\.\. is not valid base64"),
+    (base64.b64encode(b"x" * 300).decode(), r"sample 1: image 'eHh4.*'\.\.\. \(read as base64, there being no such "
+                                            r"file\) could not be decoded"),
+    (7, r"sample 1: an image part's 'image' must be a path or base64 text, got '7'"),
+])
+def test_a_bad_image_stops_the_run_with_the_file_and_sample_named(tiny_vlm, tmp_path, image, message):
+    processor = vlm.load_processor(tiny_vlm)
+    (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
+    (tmp_path / "not_an_image.png").write_text("a text file")
+    source = write_jsonl(tmp_path / "train.jsonl", [image_row(["red.png"]), image_row([image])])
+    with pytest.raises(data.DataError, match=rf"^{tmp_path}/train.jsonl, {message}"):
+        vlm.build_vlm_sft_samples(data.load_records(source), processor, source, "prompt", "response", 128)
+
+
+def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(tiny_model, tiny_vlm, tmp_path):
+    source = write_jsonl(tmp_path / "train.jsonl", [image_row(["red.png"]), {"prompt": "hi", "response": "3"}])
+    with pytest.raises(data.DataError, match=rf"{source}: 1 rows hold images under 'prompt', and the model "
+                                             rf"{tiny_model} takes none"):
+        vlm.check_takes_images(data.load_records(source), "prompt", source, tiny_model)
+    vlm.check_takes_images(data.load_records(source), "prompt", source, tiny_vlm)
+
+    class Args:  # the flags check_trainer_args reads, at sft.py's defaults
+        pretrain, apply_chat_template, pretrain_mode, lora_rank, packing_samples = tiny_vlm, True, False, 0, False
+
+    assert vlm.check_trainer_args(Args)
+    for flag, value in (("apply_chat_template", False), ("pretrain_mode", True), ("lora_rank", 8),
+                        ("packing_samples", True)):
+        wrong = type("Wrong", (Args,), {flag: value})
+        with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
+            vlm.check_trainer_args(wrong)
+
+
+def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_under_zero3_on_two_ranks(tiny_vlm,
+                                                                                                      image_dataset):
+    processor = vlm.load_processor(tiny_vlm)
+    rows = data.load_records(image_dataset)[:1] + [{"prompt": "how many red squares?", "response": "3"}]
+    image_sample, text_sample = vlm.build_vlm_sft_samples(rows, processor, image_dataset, "prompt", "response", 128)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    batch = data.pad_collate([text_sample, image_sample], processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        mixed = model(**batch, **vlm.image_inputs(processor, [text_sample, image_sample], packing=False)).logits
+        alone = model(input_ids=torch.tensor([image_sample["input_ids"]]),
+                      **vlm.image_inputs(processor, [image_sample], packing=False)).logits
+    assert (mixed[1, :alone.shape[1]] - alone[0]).abs().max() < 1e-5
+    for zero_stage, world_size in ((3, 1), (2, 2)):
+        vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, zero_stage, world_size)
+    vlm.check_images_in_every_sample([image_sample], image_dataset, 3, 2)
+    with pytest.raises(data.DataError, match=r"train.jsonl: 1 of 2 rows hold no image, and under ZeRO-3 on several "
+                                             r"ranks .* give every row an image, or train with --zero_stage 2"):
+        vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, 3, 2)
+
+
+def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_vlm, image_dataset, tmp_path):
+    """rejection_sampling.py writes its rows into --output_dir: a relative image path there would name nothing."""
+    rows = data.load_records(image_dataset) + [{"prompt": "how many?"}]
+    prompts, images = vlm.prompts_with_images([row["prompt"] for row in rows], image_dataset)
+    assert [len(row_images) for row_images in images] == [1, 2, 1, 0]
+    written = [part["image"] for prompt in prompts[:3] for part in prompt[0]["content"] if part["type"] == "image"]
+    assert written[0] == os.path.join(os.path.dirname(image_dataset), "images", "red.png")
+    assert written[2] == rows[1]["prompt"][0]["content"][1]["image"]  # a data URI as it was
+    assert prompts[3] == "how many?"
+    moved = write_jsonl(tmp_path / "elsewhere.jsonl", [{"prompt": prompts[0], "response": "3"}])
+    assert len(vlm.build_vlm_sft_samples(data.load_records(moved), vlm.load_processor(tiny_vlm), moved, "prompt",
+                                         "response", 128)[0]["images"]) == 1
+
+    class Args:  # the flags check_sampler_args reads, at rejection_sampling.py's defaults but the chat template
+        pretrain, apply_chat_template, reward_pretrain, mode = tiny_vlm, True, [], "best_of_n"
+
+    assert vlm.check_sampler_args(Args)
+    for flag, value in (("apply_chat_template", False), ("reward_pretrain", ["rm"]), ("mode", "csft")):
+        with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
+            vlm.check_sampler_args(type("Wrong", (Args,), {flag: value}))
+
+
+def test_freeze_vision_tower_leaves_the_connector_and_the_language_model_trained(tiny_vlm):
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    frozen = vlm.freeze_vision_tower(model)
+    assert frozen == sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.vision_model."))
+    trained = {n.split(".")[1] for n, p in model.named_parameters() if p.requires_grad and n.startswith("model.")}
+    assert trained == {"connector", "text_model"}
+
+
+VLLM_LOGPROBS = """
+import json, sys
+from PIL import Image
+from transformers import AutoTokenizer
+from common.vllm_engine import VLLMEngine
+engine = VLLMEngine(sys.argv[1], seed=0, max_model_len=128, tensor_parallel_size=1, gpu_memory_utilization=0.5,
+                    enforce_eager=True, dtype="float32", enable_sleep_mode=False, use_gpu=False, bundle_indices=None,
+                    llm_kwargs={})
+prompt_ids = AutoTokenizer.from_pretrained(sys.argv[1])(sys.argv[2], add_special_tokens=False)["input_ids"]
+image = Image.new("RGB", (56, 56), (255, 0, 0))
+sample = engine.generate([prompt_ids], max_tokens=6, seeds=[1], images=[[image]])[0][0]
+print(json.dumps({"ids": sample["token_ids"], "logprobs": sample["logprobs"]}))
+"""
+
+
+def changed_parts(before_dir: str, after_dir: str) -> set[str]:
+    """The top-level parts of a saved model (model.vision_model, model.connector, ...) whose weights differ."""
+    before, after = (load_file(os.path.join(d, "model.safetensors")) for d in (before_dir, after_dir))
+    assert before.keys() == after.keys()
+    return {".".join(name.split(".")[:2]) for name in before if not torch.equal(before[name], after[name])}
+
+
+@pytest.mark.slow
+def test_sft_then_dpo_train_a_vlm_that_transformers_and_vllm_load_alike(tiny_vlm, image_dataset, tmp_path):
+    """sft.py with the vision tower frozen (the default), dpo.py from its model with the tower trained, then vLLM reads
+    the DPO model and processor and scores its own sample as transformers does."""
+    sft_out, out = str(tmp_path / "sft"), str(tmp_path / "dpo")
+    started = time.time()
+    flags = ["--dataset", image_dataset, "--apply_chat_template", "--train_batch_size", "2",
+              "--micro_train_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-2"]
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--output_dir", sft_out, *flags])
+    assert changed_parts(tiny_vlm, sft_out) == {"model.connector", "model.text_model", "lm_head.weight"}
+    run_script("dpo.py", ["--pretrain", sft_out, "--output_dir", out, "--freeze_vision_tower", "false", *flags])
+    assert changed_parts(sft_out, out) == {"model.vision_model", "model.connector", "model.text_model",
+                                           "lm_head.weight"}
+    print(f"sft.py and dpo.py: {time.time() - started:.1f} s")
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    processor = AutoProcessor.from_pretrained(out)
+
+    # A vLLM engine (common/vllm_engine.py) reads the saved model and processor, takes the image beside the prompt's
+    # tokens, and scores its own sample as transformers does.
+    prompt = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
+    result = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, out, prompt], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    print(f"sft.py, dpo.py and the vLLM engine: {time.time() - started:.1f} s")
+    assert result.returncode == 0, result.stderr[-3000:]
+    sampled = json.loads(result.stdout.strip().splitlines()[-1])
+    encoded = processor(text=[prompt], images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
+    prompt_ids = encoded["input_ids"][0].tolist()  # the placeholder expanded, as vLLM expands it
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + sampled["ids"]]), pixel_values=encoded["pixel_values"],
+                       pixel_attention_mask=encoded["pixel_attention_mask"]).logits
+    start = len(prompt_ids) - 1
+    logprobs = logits[0, start:-1].log_softmax(-1).gather(-1, torch.tensor(sampled["ids"])[:, None])[:, 0]
+    assert (logprobs - torch.tensor(sampled["logprobs"])).abs().max() < 1e-4
+
+
+def test_a_family_transformers_also_loads_as_a_causal_lm_stays_a_text_model(tiny_vlm, tmp_path):
+    """Gemma 3 and Llama 4 checkpoints carry a vision_config, and every script has trained them as causal LMs."""
+    for model_type, is_vlm in (("idefics3", True), ("gemma3", False), ("llama4", False), ("llama", False)):
+        config = json.load(open(os.path.join(tiny_vlm, "config.json")))
+        config["model_type"] = model_type
+        folder = tmp_path / model_type
+        os.makedirs(folder)
+        (folder / "config.json").write_text(json.dumps(config))
+        assert vlm.is_vision_language(str(folder)) is is_vlm, model_type
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_rejection_sampling_samples_image_prompts_into_sft_rows_that_train(tiny_vlm, image_dataset, tmp_path):
+    """rejection_sampling.py on a VLM: its engines get each prompt's images, and the best-of-n rows it writes (their
+    image paths absolute) train in sft.py."""
+    rows = [{"prompt": row["prompt"], "label": row["response"]} for row in data.load_records(image_dataset)]
+    prompts = write_jsonl(os.path.join(os.path.dirname(image_dataset), "prompts.jsonl"), rows)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_fn(prompts, responses, labels):\n    return [float(len(r)) for r in responses]\n")
+    out = str(tmp_path / "rs")
+    run_script("rejection_sampling.py", ["--pretrain", tiny_vlm, "--dataset", prompts, "--apply_chat_template",
+                                         "--reward_fn", f"{reward}:reward_fn", "--n_samples_per_prompt", "3",
+                                         "--generate_max_len", "6", "--keep_truncated", "--output_dir", out])
+    best = data.load_records(os.path.join(out, "best_of_n.jsonl"))
+    assert len(best) == len(rows)
+    images = [[part["image"] for part in row["prompt"][0]["content"] if part["type"] == "image"] for row in best]
+    assert images[0] == [os.path.join(os.path.dirname(image_dataset), "images", "red.png")]
+    assert images[2] == [part["image"] for part in rows[2]["prompt"][0]["content"] if part["type"] == "image"]
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--dataset", os.path.join(out, "best_of_n.jsonl"),
+                          "--apply_chat_template", "--train_batch_size", "3", "--micro_train_batch_size", "3",
+                          "--max_steps", "1", "--output_dir", str(tmp_path / "sft")])
+
+
+def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, tmp_path):
+    from common.synthetic_image_task import CELL, GRID, write_image_task
+    from common.synthetic_task import reward_fn
+
+    files = write_image_task(str(tmp_path), seed=SEED, num_train=24, num_eval=8)
+    rows = data.load_records(files["sft_train"])
+    counts = []
+    for row in rows:
+        image = Image.open(tmp_path / row["prompt"][0]["content"][0]["image"]).convert("RGB")
+        # a square fills its box's corner, a circle leaves it white: count the cells whose corner pixel is red
+        corners = [image.getpixel((1 + (i % GRID) * CELL + 4, 1 + (i // GRID) * CELL + 4)) for i in range(GRID ** 2)]
+        counts.append(sum(r > 150 and g < 100 and b < 100 for r, g, b in corners))
+        assert str(counts[-1]) == row["response"]
+    assert set(counts) == {0, 1, 2, 3}
+    pairs = data.load_records(files["preference_train"])
+    assert all(pair["chosen"] == row["response"] != pair["rejected"] for pair, row in zip(pairs, rows))
+    labels = [row["label"] for row in data.load_records(files["prompts_train"])]
+    assert reward_fn([None] * len(rows), [row["response"] for row in rows], labels) == [1.0] * len(rows)
+    samples = vlm.build_vlm_sft_samples(rows, vlm.load_processor(tiny_vlm), files["sft_train"], "prompt",
+                                        "response", 64)
+    assert len(samples) == len(rows) and all(len(s["images"]) == 1 for s in samples)
+
+
+def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    processor.tokenizer.eos_token = None
+    processor.save_pretrained(tmp_path)
+    with pytest.raises(vlm.UserError, match=rf"--pretrain {tmp_path}: its tokenizer has no end-of-sequence token"):
+        vlm.load_processor(str(tmp_path))
