@@ -239,7 +239,9 @@ def test_ppo_with_a_reward_model_and_a_critic_on_the_real_model(real_model, toke
 # 20-80% of its samples, a reward for correctness alone, and a short run of each family of method. Thresholds: the
 # lowest of four seeds (docs/real_model.md) less a margin, far above what the base model scores on the same problems.
 SANITY_STEPS = 16
-DEMO_LAST_STEPS_ACCURACY = 0.7  # placeholder until measured
+# The demo, seeds 0 and 1: sampled answers right over the last 6 of 24 steps 0.96 and 0.92 (step 1: 0.22, 0.16);
+# held-out greedy answers right 46% -> 79% and 88%. The gain asked is the target, under half the lowest seen.
+DEMO_LAST_STEPS_ACCURACY = 0.75
 DEMO_HELD_OUT_GAIN = 0.15
 RLOO_LAST_STEPS_ACCURACY = 0.6  # placeholder until measured
 DPO_LAST_ROUND_ACCURACY = 0.5  # placeholder until measured
