@@ -243,8 +243,9 @@ SANITY_STEPS = 16
 # held-out greedy answers right 46% -> 79% and 88%. The gain asked is the issue's target, under half the lowest seen.
 DEMO_LAST_STEPS_ACCURACY = 0.75
 DEMO_HELD_OUT_GAIN = 0.15
-RLOO_LAST_STEPS_ACCURACY = 0.6  # placeholder until measured
-DPO_LAST_ROUND_ACCURACY = 0.5  # placeholder until measured
+# RLOO, seed 0: the band's 96 questions solved 40% of the time by the base model; sampled answers right 0.28 at
+# steps 1-2, 0.96 over the last 4 of 16 steps. One seed measured so far: the threshold leaves a wide margin.
+RLOO_LAST_STEPS_ACCURACY = 0.75
 
 
 @pytest.fixture(scope="module")
@@ -301,18 +302,3 @@ def test_rloo_on_the_band_raises_the_share_of_right_answers(real_model, band, tm
     assert band["base_accuracy"] < RLOO_LAST_STEPS_ACCURACY - 0.2, band  # the band holds what the base model misses
     assert last >= RLOO_LAST_STEPS_ACCURACY, accuracy
 
-
-def test_iterative_dpo_on_the_band_raises_the_share_of_right_answers(real_model, band, tmp_path):
-    """The sanity run for preference learning from the model's own samples: rejection_sampling.py --mode dpo_pairs
-    pairs each question's right and wrong samples, dpo.py trains on them, and the next round samples more right."""
-    out = str(tmp_path / "dpo")
-    run_script("rejection_sampling.py", [
-        "--pretrain", real_model, "--dataset", band["train"], "--apply_chat_template", "--n_samples_per_prompt", "4",
-        "--temperature", "0.7", "--generate_max_len", "32", "--max_model_len", "128", "--enforce_eager",
-        "--reward_fn", RIGHT_ANSWER, "--mode", "dpo_pairs", "--iterations", "3", "--output_dir", out,
-        "--train_args", "--train_batch_size 8 --micro_train_batch_size 8 --learning_rate 1e-5 --beta 0.1 "
-                        "--max_len 96 --max_epochs 1"])
-    rounds = [m["rewards/mean"] for m in metrics(out)]
-    print(f"base {band['base_accuracy']:.2f}; sampled accuracy by round {[round(r, 2) for r in rounds]}")
-    assert len(rounds) == 3
-    assert rounds[-1] >= DPO_LAST_ROUND_ACCURACY and rounds[-1] > rounds[0] + 0.1, rounds
