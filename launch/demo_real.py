@@ -165,8 +165,8 @@ def main():
     broken = sum(b and not a for a, b in zip(after["right"], before["right"]))
     numbers = ["| | before | after GRPO |", "|---|---|---|",
                f"| held-out questions answered right (greedy) | {before['accuracy']:.0%} | {after['accuracy']:.0%} |",
-               f"| training questions answered right (GRPO's samples: step 1 / the last {window} steps) | {first:.0%} | "
-               f"{last:.0%} |",
+               f"| training questions answered right (GRPO's samples: step 1 / the last {window} steps) | "
+               f"{first:.0%} | {last:.0%} |",
                f"| words per held-out answer | {before['words']:.1f} | {after['words']:.1f} |"]
     results = "\n".join([
         *table, "", *numbers, "",
