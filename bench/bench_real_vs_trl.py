@@ -4,9 +4,11 @@ Both train SmolLM2-135M-Instruct (common/real_model.py) on the demo's single-dig
 answers alone (launch/right_answer_reward.py), from the same prompts in the same order: 8 questions x 4 samples a
 step, 24 steps, temperature 0.7, at most 32 new tokens, learning rate 5e-5 (cosine down to a tenth after a 1-step
 warmup, as ppo_ray.py's), no KL term (TRL's default beta is 0), one optimizer step per rollout, micro-batches of 8,
-float32. TRL generates with the model's own `generate` in its process; ppo_ray.py with a vLLM engine beside one
-DeepSpeed rank (ZeRO-0), syncing weights after each step. Each runs in a fresh process, one after the other, so that
-neither competes with the other for the cores. The table gives each run's wall-clock time, the share of sampled
+float32, no gradient checkpointing (TRL's GRPOConfig turns it on by default; ppo_ray.py leaves it off). TRL
+generates with the model's own `generate` in its process; ppo_ray.py with a vLLM engine beside one DeepSpeed rank
+(ZeRO-0), syncing weights after each step. Each runs in a fresh process, one after the other, so that neither
+competes with the other for the cores. The table gives each run's wall-clock time, the machine's mean load average
+while it ran (other work on the machine slows a run, and the two runs may not have met the same), the share of sampled
 answers right at step 1 and over the last 6 steps, and the greedy answers to the demo's held-out questions after;
 the figure, the share right against seconds.
 
@@ -19,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -72,7 +75,7 @@ def trl_run(model_dir: str, prompts_file: str, steps: int, seed: int, out: str) 
         per_device_train_batch_size=MICRO, gradient_accumulation_steps=PROMPTS * SAMPLES // MICRO,
         num_generations=SAMPLES, max_completion_length=GENERATE_MAX_LEN, temperature=TEMPERATURE,
         learning_rate=LEARNING_RATE, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        warmup_steps=1, beta=0.0, num_iterations=1, logging_steps=1,
+        warmup_steps=1, beta=0.0, gradient_checkpointing=False, num_iterations=1, logging_steps=1,
         save_strategy="no", report_to=[], model_init_kwargs={"dtype": torch.float32}, shuffle_dataset=False)
     clock = Clock()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=right_answer, args=config, train_dataset=dataset,
@@ -97,6 +100,25 @@ def ppo_run(model_dir: str, prompts_file: str, steps: int, seed: int, out: str) 
     setup = total - sum(steps_time)  # Ray, the engine and the trainer starting, before step 1
     return {"seconds": [setup + sum(steps_time[: i + 1]) for i in range(len(rows))],
             "scores": [m["objective/scores"] for m in rows]}
+
+
+class LoadAverage:
+    """The machine's 1-minute load average, sampled every 10 s while the `with` block runs; `.mean` after it."""
+
+    def __enter__(self):
+        self.samples, self.done = [os.getloadavg()[0]], threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self):
+        while not self.done.wait(10):
+            self.samples.append(os.getloadavg()[0])
+
+    def __exit__(self, *_):
+        self.done.set()
+        self.thread.join()
+        self.mean = statistics.mean(self.samples)
 
 
 def plot(curves: dict, out_png: str) -> None:
@@ -128,15 +150,17 @@ def main(args: Args):
         print(json.dumps(trl))
         return
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl", "--out", args.out, "--steps",
-                             str(args.steps), "--seed", str(args.seed)], cwd=ROOT, check=True, capture_output=True,
-                            text=True)
+    with LoadAverage() as trl_load:
+        result = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl", "--out", args.out, "--steps",
+                                 str(args.steps), "--seed", str(args.seed)], cwd=ROOT, check=True,
+                                capture_output=True, text=True)
     curves = {"TRL GRPOTrainer": json.loads(result.stdout.strip().splitlines()[-1])}
-    curves["TRL GRPOTrainer"]["total"] = time.perf_counter() - start
+    curves["TRL GRPOTrainer"].update(total=time.perf_counter() - start, load=trl_load.mean)
     start = time.perf_counter()
-    curves["ppo_ray.py"] = ppo_run(model_dir, task["prompts_train"], args.steps, args.seed,
-                                   os.path.join(args.out, "ppo"))
-    curves["ppo_ray.py"]["total"] = time.perf_counter() - start
+    with LoadAverage() as ppo_load:
+        curves["ppo_ray.py"] = ppo_run(model_dir, task["prompts_train"], args.steps, args.seed,
+                                       os.path.join(args.out, "ppo"))
+    curves["ppo_ray.py"].update(total=time.perf_counter() - start, load=ppo_load.mean)
     held_out = held_out_questions(task["prompts_eval"], 64)
     base = answer(model_dir, held_out)["accuracy"]
     for name, folder in (("TRL GRPOTrainer", "trl"), ("ppo_ray.py", "ppo")):
@@ -148,11 +172,12 @@ def main(args: Args):
     window = min(6, args.steps)
     print(f"\n{args.steps} GRPO steps of {PROMPTS} questions x {SAMPLES} samples, seed {args.seed}; {len(held_out)} "
           f"held-out questions, the base model {base:.0%} right")
-    print("| trainer | wall-clock, s | sampled answers right: step 1 / last 6 steps | held-out right after |")
-    print("|---|---|---|---|")
+    print("| trainer | wall-clock, s | load average | sampled answers right: step 1 / last 6 steps | held-out right "
+          "after |")
+    print("|---|---|---|---|---|")
     for name, c in curves.items():
-        print(f"| {name} | {c['total']:.0f} | {c['scores'][0]:.0%} / {statistics.mean(c['scores'][-window:]):.0%} | "
-              f"{c['held_out']:.0%} |")
+        first, last = c["scores"][0], statistics.mean(c["scores"][-window:])
+        print(f"| {name} | {c['total']:.0f} | {c['load']:.1f} | {first:.0%} / {last:.0%} | {c['held_out']:.0%} |")
     ratio = curves["ppo_ray.py"]["total"] / curves["TRL GRPOTrainer"]["total"]
     print(f"\nppo_ray.py took {ratio:.2f}x TRL's time; figure: {os.path.join(args.out, 'right_answers_vs_time.png')}")
 

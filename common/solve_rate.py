@@ -12,32 +12,18 @@ on them to climb far above that within a short run, held-out accuracy with it.
 
 import argparse
 import json
-import os
 
-from common.data import generation_stop_ids, load_records, render_prompt
+from common.data import load_records
 from common.rewards import call_reward_fn, load_reward_fn
+from common.task_eval import vllm_samples
 
 
 def solve_rates(model_dir: str, rows: list[dict], reward_fn, samples: int = 8, temperature: float = 0.7,
                 max_tokens: int = 32, seed: int = 0) -> list[float]:
-    """Each {"prompt", "label"} row's mean reward over `samples` samples of the model (chat template applied), from
-    one vLLM engine in this process, in fp32."""
-    from vllm import LLM, SamplingParams
-
-    from common.vllm_engine import DEFAULT_CPU_KVCACHE_GIB
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)  # CPU only; a GPU sizes its own
-    llm = LLM(model=model_dir, dtype="float32", seed=seed, max_model_len=512, enforce_eager=True)
-    tokenizer = llm.get_tokenizer()
-    params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, skip_special_tokens=True,
-                            stop_token_ids=generation_stop_ids(tokenizer, True))
-    prompts = [{"prompt_token_ids": tokenizer(render_prompt(tokenizer, r["prompt"], True, None),
-                                              add_special_tokens=False)["input_ids"]} for r in rows]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    """Each {"prompt", "label"} row's mean reward over `samples` samples of the model (chat template applied)."""
+    samples_by_row = vllm_samples(model_dir, [r["prompt"] for r in rows], samples, temperature, max_tokens, seed)
     rates = []
-    for row, output in zip(rows, outputs):
-        texts = [c.text for c in output.outputs]
+    for row, texts in zip(rows, samples_by_row):
         rewards = call_reward_fn(reward_fn, [row["prompt"]] * len(texts), texts, [row["label"]] * len(texts))
         rates.append(sum(rewards) / len(rewards))
     return rates
