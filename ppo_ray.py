@@ -34,7 +34,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from common import lora, memory_plan, output_lock, rewards, routing_replay
+from common import lora, memory_plan, output_lock, rewards, routing_replay, vlm
 from common import ppo_tricks as tricks
 from common.args import Interrupted, UserError, parse_args, run_main
 from common.checkpoint import (SaveFailed, check_driver_resume, checkpoint_dir, load_driver_checkpoint,
@@ -144,6 +144,8 @@ class Args:
     # --- models and reward sources
     pretrain: str = ""
     """the policy to start from (usually the SFT model); also the reference model"""
+    freeze_vision_tower: bool = True
+    """a vision-language policy's vision tower stays as loaded: not trained, not synced (docs/vlm.md)"""
     reward_pretrain: list[str] | None = None
     """one or more reward models saved by rm.py"""
     reward_weights: list[float] | None = None
@@ -530,6 +532,7 @@ def make_experience(args: Args, cluster, prompts: list[dict], samples: list[list
     compute at the same time, each on its own workers. `scored`: the scores a --dynamic_sampling rollout made.
     """
     batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.pad_token_id)
+    batch.update(vlm.experience_images(args.pretrain, prompts, samples))  # (rows, ...) each: the prompts' images
     rows = len(batch["input_ids"])
     actor, ref, critic = cluster.actor, cluster.ref, cluster.critic
     if args.lora_rank and uses_reference(args):  # the reference is the actor's frozen model, adapters off

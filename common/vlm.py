@@ -15,6 +15,7 @@ them.
 
 import base64
 import binascii
+import functools
 import io
 import json
 import os
@@ -325,6 +326,119 @@ def check_sampler_args(args) -> bool:
                (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
                                       "alone, leave out --reward_pretrain"),
                (args.mode == "csft", "takes --mode best_of_n or dpo_pairs (csft writes rewards into text prompts)")]
+    for wrong, what in refused:
+        if wrong:
+            raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------ ppo_ray.py
+@functools.cache
+def cached_processor(path: str):
+    """load_processor, once per process: ppo_ray.py's driver reads every batch's images with it."""
+    return load_processor(path)
+
+
+def prompt_processor(args, rows: list[dict], source: str):
+    """The processor that reads ppo_ray.py's prompt images: the --pretrain's for a vision-language model, None for a
+    text model, which is refused rows with images."""
+    if is_vision_language(args.pretrain):
+        return cached_processor(args.pretrain)
+    check_takes_images(rows, args.input_key, source, args.pretrain)
+    return None
+
+
+def with_images(entry: dict, processor, source: str) -> dict:
+    """A ppo_ray.py prompt ({"prompt", "ids", "label"}, ids of its rendered text) with its images read: `images`,
+    `engine_ids` (the rendered text's ids, one placeholder per image, which vLLM expands itself beside the images)
+    and `ids` expanded as the processor expands each placeholder, the tokens vLLM returns and the trainer scores."""
+    images = split_images(as_messages(entry["prompt"]), dataset_folder(source))[1] if isinstance(
+        entry["prompt"], list) else []
+    placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    if entry["ids"].count(placeholder) != len(images):
+        raise DataError(f"the rendered prompt holds {entry['ids'].count(placeholder)} image placeholders "
+                        f"{processor.image_token!r} for {len(images)} image parts; remove that token from the text.")
+    expanded, pending = [], iter(images)
+    for token in entry["ids"]:
+        expanded += image_token_ids(processor, next(pending)) if token == placeholder else [token]
+    return dict(entry, ids=expanded, engine_ids=entry["ids"], images=images)
+
+
+def placeholder_token_ids(config) -> list[int]:
+    """The tokens a vision-language model's forward replaces with image (or video) features (its config's
+    image_token_id, video_token_id), which its policy never samples: in a response such a token would be given a
+    feature no image provides, and the trainer could not score it. vLLM bans them with a logit bias, the trainer's
+    log-probs leave them out (ModelWorker._logprobs); [] for a text model."""
+    ids = [getattr(config, key, None) for key in ("image_token_id", "video_token_id")]
+    return [i for i in ids if isinstance(i, int)] if getattr(config, "vision_config", None) is not None else []
+
+
+def engine_prompts(prompts: list[dict]) -> tuple[list[list[int]], list[list] | None]:
+    """What vLLM is given for these prompts: each one's ids with a placeholder per image, and its images (None for
+    text prompts)."""
+    ids = [p.get("engine_ids", p["ids"]) for p in prompts]
+    return ids, ([p["images"] for p in prompts] if any(p.get("images") for p in prompts) else None)
+
+
+def experience_images(pretrain: str, prompts: list[dict], samples: list[list[dict]]) -> dict[str, torch.Tensor]:
+    """The forward's image tensors for ppo_ray.py's experience, one row per response in build_batch's order (each
+    response sees its prompt's images), every tensor (rows, ...) so that the batch is cut by rows like the others;
+    {} without images. A processor whose tensors are not per row (Qwen-VL's patches of all images in one) is refused."""
+    rows = [p.get("images", []) for p, group in zip(prompts, samples) for _ in group]
+    if not any(rows):
+        return {}
+    processor = cached_processor(pretrain)
+    inputs = image_inputs(processor, [{"images": images} for images in rows], packing=False)
+    for key, value in inputs.items():
+        if value.shape[0] != len(rows):
+            raise UserError(f"--pretrain {pretrain}: its processor gives {key} of shape {tuple(value.shape)}, not one "
+                            f"row per response, which ppo_ray.py cuts into micro-batches by rows; it takes "
+                            f"vision-language models whose images are per row (Idefics3, SmolVLM) so far.")
+    return inputs
+
+
+def is_image_input(key: str) -> bool:
+    """Whether a batch's tensor is an image input of the forward (pixel_values, pixel_attention_mask), cut by rows
+    only: it has no token axis."""
+    return key.startswith("pixel_")
+
+
+def forward_images(model, batch: dict) -> dict[str, torch.Tensor]:
+    """The micro-batch's image inputs for the model's forward, or none where its rows hold no image token: a batch of
+    padding images alone would run the vision tower on nothing."""
+    inputs = {key: value for key, value in batch.items() if is_image_input(key)}
+    image_token = getattr(getattr(model, "module", model).config, "image_token_id", None)
+    return inputs if inputs and (batch["input_ids"] == image_token).any() else {}
+
+
+def frozen_tower_names(model) -> set[str]:
+    """The in-memory names of a vision tower's parameters that do not train (--freeze_vision_tower): the weight sync
+    leaves them out, since the engines hold them as loaded. Empty for a text model or a trained tower."""
+    model = getattr(model, "module", model)
+    if getattr(model.config, "vision_config", None) is None:
+        return set()
+    tower = {id(p) for p in vision_tower(model).parameters() if not p.requires_grad}
+    return {name for name, p in model.named_parameters() if id(p) in tower}
+
+
+def check_ppo_args(args) -> bool:
+    """Refuse ppo_ray.py's flags that cannot apply to a vision-language --pretrain; returns whether it is one. Its
+    prompts are chat messages with image parts; the critic, reward models, teacher and environments here read text
+    alone, so a visual task is scored by --reward_fn or --remote_rm_url with a critic-free estimator."""
+    if not is_vision_language(args.pretrain):
+        return False
+    refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
+               (args.advantage_estimator == "gae" or args.critic_pretrain,
+                "trains here without a critic, which would read text alone: give --advantage_estimator grpo, "
+                "dr_grpo, rloo, reinforce++ or reinforce++-baseline"),
+               (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
+                                      "alone, leave out --reward_pretrain"),
+               (args.teacher_pretrain, "takes no --teacher_pretrain here (a teacher would read the text alone)"),
+               (args.env_fn or args.agent_fn, "takes single-turn prompts here: leave out --env_fn and --agent_fn"),
+               (args.ptx_data, "takes no --ptx_data here (its pretraining rows hold no images)"),
+               (args.lora_rank, "is trained whole here: LoRA on its language model is not built yet, leave out "
+                                "--lora_rank"),
+               (args.packing_samples, "is trained on padded batches here: leave out --packing_samples")]
     for wrong, what in refused:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
