@@ -704,7 +704,10 @@ def keep_unsent_buffers(model) -> int:
 def unloaded_layers(model) -> list[str]:
     """Names of the layers that hold parameters a reload gave nothing, which vLLM is about to put back as they were:
     after a complete sync each is a layer vLLM would sample with stale weights. A layer whose parameter another
-    layer shares (tied embeddings' lm_head) is left out: reprocess_tied_layers rebuilds it.
+    layer shares (tied embeddings' lm_head) is left out: reprocess_tied_layers rebuilds it. A layer given some of its
+    parameters only (a SigLIP or Qwen2 projection's bias without its weight) is named with each parameter it lacks:
+    vLLM processes such a layer as if padding were missing, and the parameter not sent is left as the fresh memory
+    the reload made for it, silently.
 
     A layer still waiting holds its old parameters aside (kernel_tensors) and meta tensors in their place; one that
     vLLM finished during the sync holds its parameters again and keeps none aside. The embedding of a vocabulary with
@@ -724,11 +727,14 @@ def unloaded_layers(model) -> list[str]:
     stale = []
     for name, module in model.named_modules():
         info = LAYERWISE_INFO.get(module)
-        if (info is None or not info.can_load() or info.load_numel > 0 or not info.kernel_tensors
+        if (info is None or not info.can_load() or not info.kernel_tensors
                 or is_deferred_attention_layer(module)):  # vLLM rebuilds attention layers from their scales
             continue
         params = {n: p for n, p in info.kernel_tensors[0].items() if n not in SKIP_LOAD_TENSORS}
-        if params and all(owners[id(p)] == 1 for p in params.values()):
+        if info.load_numel > 0:  # a layer given some of its parameters (a bias without its weight)
+            sent = {n for n, _ in info.loaded_weights}
+            stale += [f"{name}.{n}" for n in params if n not in sent]
+        elif params and all(owners[id(p)] == 1 for p in params.values()):
             stale.append(name or type(module).__name__)
     return stale
 
