@@ -16,6 +16,7 @@ them.
 import base64
 import binascii
 import functools
+import hashlib
 import io
 import json
 import os
@@ -208,7 +209,11 @@ def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], ima
 def vlm_sample(processor, messages: list[dict], base_dir: str, max_len: int) -> tuple[dict, bool]:
     """One conversation with images as {"input_ids", "loss_mask", "images"}, its assistant turns trained on, and
     whether it was truncated to max_len. Truncation never cuts into an image: a DataError instead."""
-    messages, images = split_images(messages, base_dir)
+    return sample_of_read_images(processor, *split_images(messages, base_dir), max_len)
+
+
+def sample_of_read_images(processor, messages: list[dict], images: list, max_len: int) -> tuple[dict, bool]:
+    """vlm_sample of messages whose images are read already (split_images' two results)."""
     text, spans = render_chat(processor.tokenizer, messages)
     ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
     if images_end > max_len:
@@ -277,6 +282,42 @@ def build_vlm_preference_samples(rows, processor, source, input_key, chosen_key,
         log(f"warning: {source}: skipped {identical} of {len(rows)} pairs whose {chosen_key!r} and {rejected_key!r} "
             f"are identical (or differ only past --max_len {max_len}).")
     return checked_samples(samples, source, max_len, log, truncated, dropped, "responses", "pairs")
+
+
+def build_vlm_kto_samples(rows, processor, source, input_key, output_key, label_key, max_len,
+                          log=print) -> list[dict]:
+    """Tokenize unpaired feedback whose prompts hold images (kto.py) into vlm_sample's {"input_ids", "loss_mask",
+    "images"} with "label" (a JSON boolean), and what mismatched_pair puts another response after: the prompt's
+    messages and the response. "prompt_text", which tells prompts apart (kto.py's mismatched_partners), is the
+    rendered prompt followed by its images' digests: the image task's prompts share their text."""
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, dropped = [], 0, 0
+    for i, row in enumerate(rows):
+        with sample_context(source, i):
+            prompt, response = as_messages(get_key(row, input_key, i, source)), get_response(row, output_key, i,
+                                                                                                source, input_key)
+            label = get_key(row, label_key, i, source)
+            if not isinstance(label, bool):
+                raise DataError(f"{label_key!r} must be true or false (a JSON boolean), got {label!r}.")
+            messages, images = split_images(prompt, dataset_folder(source))
+            sample, cut = sample_of_read_images(processor, messages + [{"role": "assistant", "content": response}],
+                                                images, max_len)
+        truncated += cut
+        if sum(sample["loss_mask"]) == 0:
+            dropped += 1
+            continue
+        digests = [hashlib.sha256(image.tobytes()).hexdigest()[:16] for image in images]
+        samples.append({**sample, "label": label, "prompt_messages": messages, "response": response,
+                        "prompt_text": render_chat(processor.tokenizer, messages)[0] + " ".join(digests)})
+    return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def mismatched_pair(processor, sample: dict, other: dict, max_len: int) -> dict:
+    """`sample`'s prompt, its images included, followed by `other`'s response (build_vlm_kto_samples' samples): KTO's
+    mismatched pair, rendered and expanded as a sample is."""
+    messages = sample["prompt_messages"] + [{"role": "assistant", "content": other["response"]}]
+    return sample_of_read_images(processor, messages, sample["images"], max_len)[0]
 
 
 def image_inputs(processor, samples: list[dict], packing: bool) -> dict[str, torch.Tensor]:
