@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, SEED, run_script
+from conftest import SEED, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -147,7 +147,8 @@ def test_grpo_with_the_vision_tower_trained_syncs_it_and_vllm_follows_the_traine
     diffs = [row["vllm/logprob_diff"] for row in rows]
     assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer after a sync: {diffs}"
     assert all(row["weight_sync/bytes"] == parameter_bytes(tiny_vlm) for row in rows)  # the tower went too
-    assert changed_parts(tiny_vlm, out) == {"model.vision_model", "model.connector", "model.text_model", "lm_head.weight"}
+    assert changed_parts(tiny_vlm, out) == {"model.vision_model", "model.connector", "model.text_model",
+                                            "lm_head.weight"}
     AutoModelForImageTextToText.from_pretrained(out)  # a plain transformers VLM, its processor beside it
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
 
