@@ -13,7 +13,8 @@ al. 2025); truncated importance sampling against vLLM (Yao et al. 2025), and dec
 (Hilton et al. 2021); an entropy bonus and InstructGPT's ptx loss. --policy_loss swaps the clipped surrogate for
 GSPO, CISPO, GMPO or SAPO, --vllm_is_kind for IcePop or sequence-masked TIS, and --teacher_pretrain adds on-policy
 distillation's per-token reward. --routing_replay (R3) and --keep_sampling_mask (DeepSeek-V3.2) make the trainer score
-the experts and the top-p support vLLM sampled with. docs/ppo.md lists every implementation detail.
+the experts and the top-p support vLLM sampled with. A vision-language policy trains on image prompts (docs/vlm.md).
+docs/ppo.md lists every implementation detail.
 
     python ppo_ray.py --pretrain SFT --reward_pretrain RM --prompt_data prompts.jsonl --apply_chat_template
     deepspeed ppo_ray.py ...        # the same: the launcher's rank 0 drives, its others exit; Ray starts workers
