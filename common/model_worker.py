@@ -88,6 +88,7 @@ class ModelWorker(RayWorker):
 
     routes_from_vllm = True  # the policy's forwards take the experts vLLM chose (common/routing_replay.py)
     replay = None  # their routing_replay.Replay, made at the first batch that carries routes
+    processor, placeholders = None, []  # a vision-language model's processor and image placeholder tokens
 
     def setup(self, args, path: str, total_steps: int | None = None, learning_rate: float = 0.0,
               scalar_head_flag: str | None = None):
