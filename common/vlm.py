@@ -448,8 +448,10 @@ def forward_images(model, batch: dict) -> dict[str, torch.Tensor]:
     """The micro-batch's image inputs for the model's forward, or none where its rows hold no image token: a batch of
     padding images alone would run the vision tower on nothing."""
     inputs = {key: value for key, value in batch.items() if is_image_input(key)}
+    if not inputs:  # a text model's batch
+        return {}
     image_token = getattr(getattr(model, "module", model).config, "image_token_id", None)
-    return inputs if inputs and (batch["input_ids"] == image_token).any() else {}
+    return inputs if (batch["input_ids"] == image_token).any() else {}
 
 
 def frozen_tower_names(model) -> set[str]:
