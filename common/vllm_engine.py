@@ -113,7 +113,6 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
             keep_freed_memory()  # every weight sync rebuilds the layers' weights in fresh blocks of memory
         import vllm
-        from transformers import AutoConfig
 
         self.use_gpu = use_gpu
         self.pretrain_path = pretrain_path
@@ -143,7 +142,7 @@ class VLLMEngine:
         # every sample stops there too, besides the EOS and generation_config's tokens (data.generation_stop_ids)
         self.stop_token_ids = generation_stop_ids(self.llm.get_tokenizer(), True) if stop_at_end_of_turn else []
         # a vision-language model's image placeholders, which no response may hold (vLLM's bias is at most -100)
-        self.banned_token_ids = placeholder_token_ids(AutoConfig.from_pretrained(pretrain_path))
+        self.banned_token_ids = placeholder_token_ids(self.llm.model_config.hf_config)
 
     def ready(self) -> bool:
         """True once the engine has loaded its model; `ray.get` on it re-raises any error from start-up."""
