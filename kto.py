@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from common import checkpoint, data, lora
+from common import checkpoint, data, lora, vlm
 from common.args import (UserError, check_causal_lm, check_lengths, check_model_path, check_output_dir, check_packing,
                          parse_args, run_main)
 from common.deepspeed_utils import (check_reference_tokenizer, device, ds_config, gradient_accumulation_steps,
@@ -145,6 +145,9 @@ class Args:
     """lambda_U: weight of the loss on undesirable responses"""
     packing_samples: bool = False
     """pack each micro-batch into one row without padding"""
+    freeze_vision_tower: bool = True
+    """a vision-language model's vision tower keeps its weights (its connector and language model train); false
+    trains it too"""
 
 
 # A resumed run must match its checkpoint in these flags (what makes it this run: model, data, schedule), besides
@@ -180,8 +183,10 @@ def kl_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor
 
 def forward_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the responses and of the mismatched pairs' responses, summed over tokens: (batch,) each."""
+    images = {k: v for k, v in batch.items() if k.startswith("pixel_")}  # a vision-language model's images
     logprobs = next_token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"),
-                                   response_start(batch["loss_mask"][:, 1:]))  # (2 * batch, seq - 1), or (1, total - 1)
+                                   response_start(batch["loss_mask"][:, 1:]),
+                                   **images)  # (2 * batch, seq - 1), or (1, total - 1)
     logps = sequence_sums(logprobs * batch["loss_mask"][:, 1:], batch.get("position_ids"))  # (2 * batch,)
     return logps.chunk(2)
 
@@ -193,14 +198,17 @@ def ref_forward_logps(engine, ref_engine, batch: dict) -> tuple[torch.Tensor, to
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-def collate(samples, tokenizer, max_len, packing: bool, dev, partners=None) -> dict:
+def collate(samples, tokenizer, max_len, packing: bool, dev, partners=None, processor=None) -> dict:
     """The samples, then each prompt with another sample's response (KTO's mismatched pairs; `partners` gives the
     responses instead), padded into one (2 * batch, seq) batch or packed into one (1, total) row: one forward pass
-    scores both."""
+    scores both. A vision-language model's pair keeps its prompt's images."""
     partners = partners or mismatched_partners(samples)
-    mismatched = [data.mismatched_pair(tokenizer, sample, other, max_len) for sample, other in zip(samples, partners)]
+    mismatched = [vlm.mismatched_pair(processor, sample, other, max_len) if processor else
+                  data.mismatched_pair(tokenizer, sample, other, max_len) for sample, other in zip(samples, partners)]
     sequences = samples + mismatched
     batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
+    if processor is not None:
+        batch.update(vlm.image_inputs(processor, sequences, packing))
     batch["labels"] = torch.tensor([s["label"] for s in samples])  # (batch,)
     return {k: v.to(dev) for k, v in batch.items()}
 
@@ -217,7 +225,7 @@ def mismatched_partners(samples: list[dict]) -> list[dict]:
 
 
 @torch.no_grad()
-def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> dict:
+def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size, processor=None) -> dict:
     """Mean loss, reward accuracy and reward margin over the eval samples, each rank taking every world_size-th one."""
     engine.eval()
     names = ("loss", "correct", "chosen_rewards", "chosen", "rejected_rewards", "rejected")  # sums over samples
@@ -233,7 +241,7 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
         others = [s for s in samples if s is not chunk[0]]
         partners = [next((s for s in others if s["prompt_text"] != chunk[0]["prompt_text"]), others[0])] \
             if len(chunk) == 1 else None
-        batch = collate(chunk, tokenizer, args.max_len, args.packing_samples, device(), partners)
+        batch = collate(chunk, tokenizer, args.max_len, args.packing_samples, device(), partners, processor)
         (logps, kl_logps) = forward_logps(engine, batch)
         ref_logps, ref_kl_logps = ref_forward_logps(engine, ref_engine, batch)
         kl = kl_reference_point(kl_logps, ref_kl_logps, counts)
@@ -256,7 +264,8 @@ def evaluate(engine, ref_engine, samples, args, tokenizer, rank, world_size) -> 
 def check_args(args: Args) -> None:
     """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
-    check_causal_lm(args.pretrain)
+    if not vlm.check_trainer_args(args):
+        check_causal_lm(args.pretrain)
     if args.packing_samples:
         check_packing(args.pretrain)
         if args.ref_pretrain:
@@ -283,11 +292,19 @@ def main(args: Args):
     ckpt_dir = checkpoint.checkpoint_dir(args)
     settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
-    tokenizer = load_tokenizer(args.pretrain)
+    processor = vlm.load_processor(args.pretrain) if vlm.is_vision_language(args.pretrain) else None
+    tokenizer = processor.tokenizer if processor else load_tokenizer(args.pretrain)
     check_reference_tokenizer(args, tokenizer)
 
     def load_samples(source, split):
         rows = data.load_records(source, split)
+        if processor:
+            samples = vlm.build_vlm_kto_samples(rows, processor, source, args.input_key, args.output_key,
+                                                args.label_key, args.max_len,
+                                                log=lambda msg: print_rank0(launcher_rank, msg))
+            vlm.check_images_in_every_sample(samples, source, args.zero_stage, launcher_world_size)
+            return samples
+        vlm.check_takes_images(rows, args.input_key, source, args.pretrain)
         return data.build_kto_samples(rows, tokenizer, source, args.input_key, args.output_key, args.label_key,
                                       args.max_len, args.apply_chat_template, args.input_template,
                                       log=lambda msg: print_rank0(launcher_rank, msg))
@@ -316,6 +333,8 @@ def main(args: Args):
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
                        **lora.load_kwargs(args))
+    if processor and args.freeze_vision_tower:
+        vlm.freeze_vision_tower(model)
     model = lora.wrap(model, args)  # unchanged without --lora_rank
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
@@ -335,7 +354,7 @@ def main(args: Args):
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:
             batch = collate([train_samples[i] for i in indices], tokenizer, args.max_len, args.packing_samples,
-                            device())
+                            device(), processor=processor)
             ref_start = time.time()
             ref_logps, ref_kl_logps = ref_forward_logps(engine, ref_engine, batch)
             get_accelerator().synchronize()  # GPU kernels run asynchronously: time the work, not its launch
@@ -368,7 +387,7 @@ def main(args: Args):
         if total["aux_loss"]:
             metrics["train/aux_loss"] = total["aux_loss"] / total["micro_batches"]
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
-            metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+            metrics.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size, processor))
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(step + 1, metrics)
         bar.update(1)
@@ -380,9 +399,9 @@ def main(args: Args):
 
     summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
     if eval_samples:
-        summary.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size))
+        summary.update(evaluate(engine, ref_engine, eval_samples, args, tokenizer, rank, world_size, processor))
         logger.log(total_steps, summary)
-    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank,
+    checkpoint.save_hf_model(engine, processor or tokenizer, args.output_dir, rank,
                              stop_ids=data.generation_stop_ids(tokenizer, args.apply_chat_template))
     logger.close()
     print_rank0(rank, f"saved the model to {args.output_dir} after {total_steps} steps: "

@@ -13,7 +13,8 @@ al. 2025); truncated importance sampling against vLLM (Yao et al. 2025), and dec
 (Hilton et al. 2021); an entropy bonus and InstructGPT's ptx loss. --policy_loss swaps the clipped surrogate for
 GSPO, CISPO, GMPO or SAPO, --vllm_is_kind for IcePop or sequence-masked TIS, and --teacher_pretrain adds on-policy
 distillation's per-token reward. --routing_replay (R3) and --keep_sampling_mask (DeepSeek-V3.2) make the trainer score
-the experts and the top-p support vLLM sampled with. docs/ppo.md lists every implementation detail.
+the experts and the top-p support vLLM sampled with. A vision-language policy trains on image prompts (docs/vlm.md).
+docs/ppo.md lists every implementation detail.
 
     python ppo_ray.py --pretrain SFT --reward_pretrain RM --prompt_data prompts.jsonl --apply_chat_template
     deepspeed ppo_ray.py ...        # the same: the launcher's rank 0 drives, its others exit; Ray starts workers
@@ -34,7 +35,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from common import lora, memory_plan, output_lock, rewards, routing_replay
+from common import lora, memory_plan, output_lock, rewards, routing_replay, vlm
 from common import ppo_tricks as tricks
 from common.args import Interrupted, UserError, parse_args, run_main
 from common.checkpoint import (SaveFailed, check_driver_resume, checkpoint_dir, load_driver_checkpoint,
@@ -144,6 +145,8 @@ class Args:
     # --- models and reward sources
     pretrain: str = ""
     """the policy to start from (usually the SFT model); also the reference model"""
+    freeze_vision_tower: bool = True
+    """a vision-language policy's vision tower stays as loaded: not trained, not synced (docs/vlm.md)"""
     reward_pretrain: list[str] | None = None
     """one or more reward models saved by rm.py"""
     reward_weights: list[float] | None = None
@@ -530,6 +533,7 @@ def make_experience(args: Args, cluster, prompts: list[dict], samples: list[list
     compute at the same time, each on its own workers. `scored`: the scores a --dynamic_sampling rollout made.
     """
     batch = build_batch([p["ids"] for p in prompts], samples, tokenizer.pad_token_id)
+    batch.update(vlm.experience_images(args.pretrain, prompts, samples))  # (rows, ...) each: the prompts' images
     rows = len(batch["input_ids"])
     actor, ref, critic = cluster.actor, cluster.ref, cluster.critic
     if args.lora_rank and uses_reference(args):  # the reference is the actor's frozen model, adapters off

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from common import checkpoint, data, lora
+from common import checkpoint, data, lora, vlm
 from common.args import (UserError, check_decoder_only, check_lengths, check_model_path, check_output_dir,
                          check_packing, parse_args, run_main)
 from common.deepspeed_utils import (device, ds_config, gradient_accumulation_steps, init_distributed, init_train_engine,
@@ -169,7 +169,9 @@ def forward_rewards(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_pairs(args: Args, tokenizer, source: str, split: str, log=print) -> list[dict]:
     """Training or eval pairs, each response cut after its EOS, where the reward is read (common/data.py)."""
-    return data.build_preference_samples(data.load_records(source, split), tokenizer, source, args.input_key,
+    rows = data.load_records(source, split)
+    vlm.check_takes_images(rows, args.input_key, source, args.pretrain)
+    return data.build_preference_samples(rows, tokenizer, source, args.input_key,
                                          args.chosen_key, args.rejected_key, args.max_len, args.apply_chat_template,
                                          args.input_template, args.margin_key, end_with_eos=True, log=log)
 
@@ -212,6 +214,10 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
 def check_args(args: Args) -> None:
     """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
+    if vlm.is_vision_language(args.pretrain):
+        raise UserError(f"--pretrain {args.pretrain} is a vision-language model, and rm.py trains reward models that "
+                        f"load as transformers' sequence classifiers, a class it has none of; score a visual task "
+                        f"with ppo_ray.py's --reward_fn, or train the reward model from a text model.")
     check_decoder_only(args.pretrain)  # the reward is read at the last token
     if args.packing_samples:
         check_packing(args.pretrain)

@@ -793,23 +793,27 @@ def decode_response(tokenizer, prompt_ids: list[int], response_ids: list[int], s
 
 
 def load_prompts(args, tokenizer, source: str, split_name: str) -> list[dict]:
-    """ppo_ray.py's prompts, tokenized, with their labels: {"prompt", "ids", "label"}; prompts over
-    --prompt_max_len are skipped and counted."""
+    """ppo_ray.py's prompts, tokenized, with their labels: {"prompt", "ids", "label"}, and for a vision-language
+    policy their images (common/vlm.py with_images); prompts over --prompt_max_len are skipped and counted."""
     rows = load_records(source, split_name)
     if not rows:
         raise DataError(f"prompt dataset {source} is empty.")
     prompts, skipped = [], 0
     read = args.reward_fn or args.remote_rm_url or args.env_fn  # what gets the labels: said when they are missing
     labels = get_labels(rows, args.label_key, source, print if read else lambda message: None)
+    from common import vlm  # (it builds on this module)
+    processor = vlm.prompt_processor(args, rows, source)  # a vision-language policy's: its prompts' images
     for i, row in enumerate(rows):
         prompt = get_key(row, args.input_key, i, source)
         with sample_context(source, i):
             text = render_prompt(tokenizer, prompt, args.apply_chat_template, args.input_template)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > args.prompt_max_len:
+            entry = {"prompt": prompt, "ids": tokenizer(text, add_special_tokens=False)["input_ids"],
+                     "label": labels[i]}
+            entry = vlm.with_images(entry, processor, source) if processor else entry
+        if len(entry["ids"]) > args.prompt_max_len:  # an image's tokens count: vLLM's context holds them
             skipped += 1
             continue
-        prompts.append({"prompt": prompt, "ids": ids, "label": labels[i]})
+        prompts.append(entry)
     if not prompts:
         raise DataError(f"every prompt in {source} is longer than --prompt_max_len {args.prompt_max_len}; raise it.")
     if skipped:

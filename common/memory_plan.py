@@ -9,7 +9,9 @@ Trained roles (actor, critic) hold their model states (weights, gradients and Ad
 estimate at ZeRO-3 and ZeRO-2 (`estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/stage3.py, the
 ZeRO-2 one in stage_1_and_2.py), and below that the optimizers DeepSpeed picks for bf16 (model_states says which),
 which keep whole-model gradients on every GPU. Their activations come on top: the inputs of every layer of a
-micro-batch kept for backward (with --gradient_checkpointing, each layer's input and one layer's whole). Frozen
+micro-batch kept for backward (with --gradient_checkpointing, each layer's input and one layer's whole). A
+vision-language policy's vision tower is counted apart: frozen (--freeze_vision_tower), bf16 weights without
+gradients or Adam states; trained, with them and its layers' inputs over one image per row kept for backward. Frozen
 roles (reference, reward models) hold bf16 weights partitioned over their ranks (in CPU memory with --ref_offload)
 plus the gathered largest layer. A forward over the vocabulary adds its logits: bf16, their fp32 copy and the fp32
 logsumexp work of one micro-batch; with --routing_replay the actor's micro-batch carries each token's experts too
@@ -28,8 +30,10 @@ import json
 import os
 
 import torch
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForSequenceClassification)
 from transformers import __version__ as transformers_version
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.pytorch_utils import Conv1D
 from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
@@ -88,7 +92,9 @@ def model_sizes(config, scalar_head: bool = False) -> dict:
     if scalar_head:
         config = copy.deepcopy(config)
         config.num_labels = 1
-    model_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+    vision_language = config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and hasattr(config, "vision_config")
+    model_class = (AutoModelForSequenceClassification if scalar_head else
+                   AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
     try:
         with torch.device("meta"):
             model = model_class.from_config(config)
@@ -107,11 +113,28 @@ def model_sizes(config, scalar_head: bool = False) -> dict:
     # --routing_replay's experts of a token: an int16 per MoE layer and expert it goes to
     routes_per_token = 2 * sum(router.top_k for router in routing_replay.trainer_routers(model))
     return {"params": params, "largest_layer": max(blocks + own), "kv_per_token": 2 * layers * kv_heads * head_dim * 2,
+            **(vision_sizes(model) if vision_language else {"vision_params": 0, "activations_per_image": 0}),
             "routes_per_token": routes_per_token,
             "vocab": model.get_input_embeddings().weight.shape[0], "lora_per_rank": lora_per_rank,
             "quantized_4bit": quantized_4bit(model),
             "activations_per_token": {"all layers": layers * layer_activations,
                                       "checkpointed": layers * 2 * hidden + layer_activations}}
+
+
+def vision_sizes(model) -> dict:
+    """A vision-language model's vision tower: its parameters, and the bf16 bytes its layers keep for backward per
+    image when it trains (every layer's inputs over the image's patches, with the decoder layer's bytes per unit of
+    width; a tiled or dynamic-resolution image counts once per tile of vision_config's image_size). The image's
+    tokens in the language model are part of the sequence, counted with its activations."""
+    from common.vlm import vision_tower
+
+    vision = model.config.vision_config
+    tower = vision_tower(model)
+    patches = (getattr(vision, "image_size", 0) // getattr(vision, "patch_size", 1)) ** 2
+    per_patch = (ACTIVATION_BYTES_PER_HIDDEN * vision.hidden_size
+                 + ACTIVATION_BYTES_PER_INTERMEDIATE * getattr(vision, "intermediate_size", 4 * vision.hidden_size))
+    return {"vision_params": sum(p.numel() for p in tower.parameters()),
+            "activations_per_image": vision.num_hidden_layers * patches * per_patch}
 
 
 def quantized_4bit(model) -> int:
@@ -158,6 +181,12 @@ def trained(args, sizes: dict, gpus: int, tokens: int) -> dict:
     stage = trained_zero_stage(args.zero_stage, gpus, args.offload_optimizer, args.load_in_4bit, bf16=True)
     activations = tokens * sizes["activations_per_token"]["checkpointed" if args.gradient_checkpointing
                                                           else "all layers"]
+    tower = {}
+    if sizes["vision_params"] and getattr(args, "freeze_vision_tower", True):  # no gradients, no Adam states
+        params -= sizes["vision_params"]
+        tower = {"frozen vision tower": 2 * sizes["vision_params"] // (gpus if stage == 3 else 1)}
+    elif sizes["vision_params"]:  # one image per micro-batch row; a trained tower keeps its layers' inputs
+        activations += args.micro_train_batch_size * sizes["activations_per_image"]
     if args.lora_rank:
         if args.load_in_4bit:
             four_bit = sizes["quantized_4bit"]
@@ -170,7 +199,7 @@ def trained(args, sizes: dict, gpus: int, tokens: int) -> dict:
     else:
         frozen_weights = {}
         gpu, cpu = model_states(stage, params, sizes["largest_layer"], gpus, args.offload_optimizer)
-    return {**frozen_weights, "model states": gpu, "activations": activations, "cpu": cpu}
+    return {**frozen_weights, **tower, "model states": gpu, "activations": activations, "cpu": cpu}
 
 
 def model_states(stage: int, params: int, largest: int, gpus: int, offload: bool) -> tuple[int, int]:

@@ -21,6 +21,8 @@ from common.modeling import (entropy_from_logits, next_token_logits, pack_rows, 
                              scalar_head_parts, sequence_rewards, token_logprobs, token_values, unpack,
                              unpack_next_token, within_sampling_support)
 from common.ray_workers import RayWorker
+from common.vlm import (forward_images, freeze_vision_tower, frozen_tower_names, is_image_input,
+                        is_vision_language, load_processor, placeholder_token_ids)
 from common.weight_sync import (broadcast_weights_to_vllm, in_checkpoint_layout, init_weight_sync_group,
                                 iter_gathered_params)
 
@@ -64,7 +66,7 @@ def micro_batch(batch: dict, rows: list[int]) -> dict:
     mb = {}
     for key, value in batch.items():
         value = value[idx]
-        if value.dim() >= 2:  # (rows, seq or seq - 1, ...)
+        if value.dim() >= 2 and not is_image_input(key):  # (rows, seq or seq - 1, ...)
             value = value[:, : length if value.shape[1] == batch["input_ids"].shape[1] else length - 1]
         mb[key] = value.to(device())
     return mb
@@ -86,6 +88,7 @@ class ModelWorker(RayWorker):
 
     routes_from_vllm = True  # the policy's forwards take the experts vLLM chose (common/routing_replay.py)
     replay = None  # their routing_replay.Replay, made at the first batch that carries routes
+    processor, placeholders = None, []  # a vision-language model's processor and image placeholder tokens
 
     def setup(self, args, path: str, total_steps: int | None = None, learning_rate: float = 0.0,
               scalar_head_flag: str | None = None):
@@ -106,6 +109,11 @@ class ModelWorker(RayWorker):
                            **head, **(lora.load_kwargs(args) if trainable else {}))
         if trainable:  # with --lora_rank: adapters on the frozen model (a critic's scalar head trains whole)
             model = lora.wrap(model, args, "SEQ_CLS" if scalar_head_flag else "CAUSAL_LM")
+        # a vision-language model's processor is saved beside it; its tower trains only where asked
+        self.processor = load_processor(path) if is_vision_language(path) and not scalar_head_flag else None
+        self.placeholders = placeholder_token_ids(model.config) if self.processor else []
+        if self.processor and trainable and args.freeze_vision_tower:
+            freeze_vision_tower(model)
         self.tokenizer = load_tokenizer(path)
         if trainable:
             self.engine = init_train_engine(model, config, learning_rate, args.weight_decay, total_steps,
@@ -125,7 +133,7 @@ class ModelWorker(RayWorker):
         load_train_state({"model": self.engine}, ckpt_dir, self.rank, step)
 
     def save_model(self, out_dir: str) -> None:
-        save_hf_model(self.engine, self.tokenizer, out_dir, self.rank,
+        save_hf_model(self.engine, self.processor or self.tokenizer, out_dir, self.rank,
                       stop_ids=generation_stop_ids(self.tokenizer, self.args.apply_chat_template))
 
     # --- log-probs (policy, reference)
@@ -146,8 +154,13 @@ class ModelWorker(RayWorker):
             self.replay = routing_replay.Replay(self.engine)
         if self.replay:  # until the next forward: a checkpointed layer's recomputation routes as this forward did
             self.replay.set(routes, self.args.routing_replay)
-        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start)
+        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start,
+                                   **forward_images(self.engine, batch))  # a vision-language model's images
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
+        if self.placeholders:  # a vision-language model's image placeholders, which vLLM never samples (a softmax
+            # of the float minimum is 0, where -inf would make the entropy NaN)
+            logits = logits.index_fill(-1, torch.tensor(self.placeholders, device=logits.device),
+                                       torch.finfo(logits.dtype).min)
         if self.args.keep_sampling_mask:  # and its top-p support, renormalised as vLLM did
             logits = within_sampling_support(logits, input_ids[:, start + 1:], self.args.top_p)
         outputs = [token_logprobs(logits, input_ids[:, start + 1:])]  # (rows, seq - 1 - start)
@@ -217,12 +230,14 @@ class ModelWorker(RayWorker):
     def sync_weights(self, engines: list, everything_quantized: bool = False) -> dict:
         """Every rank gathers ZeRO-3 shards (collective); rank 0 broadcasts them to the engines in buckets. With LoRA
         only the adapted layers change, sent merged, W + (alpha / r) B A; `everything_quantized` adds every 4-bit
-        layer, dequantized (QLoRA's first sync)."""
+        layer, dequantized (QLoRA's first sync). A frozen vision tower is not sent: the engines hold it as loaded."""
+        frozen = frozen_tower_names(self.engine) if self.processor else set()
         params = (in_checkpoint_layout(lora.base_model(self.engine),
                                        lora.iter_merged_params(self.engine, everything_quantized))
-                  if self.args.lora_rank else iter_gathered_params(self.engine))
+                  if self.args.lora_rank else iter_gathered_params(self.engine, skip=frozen))
         if self.rank == 0:
-            return broadcast_weights_to_vllm(params, engines, self.sync_group, complete=not self.args.lora_rank)
+            return broadcast_weights_to_vllm(params, engines, self.sync_group, complete=not self.args.lora_rank,
+                                             tower_kept=bool(frozen))
         for _ in params:
             pass
         return {}

@@ -7,6 +7,7 @@ from common.checkpoint import check_keep_last
 from common.deepspeed_utils import load_tokenizer
 from common.placement import critic_path
 from common.ppo_tricks import GROUPED, KL_IN_LOSS, clip_range, uses_reference, vllm_is_band
+from common.vlm import check_ppo_args
 
 # Options --async_rollouts cannot overlap generation with training under, and why.
 ASYNC_CLASHES = {
@@ -119,7 +120,8 @@ def check_args(args) -> None:
             raise UserError(f"{rollout} responses per step do not split into {workers} {role} worker(s) x "
                             f"--micro_train_batch_size {args.micro_train_batch_size}; change one of them.")
     check_model_path(args.pretrain)
-    check_causal_lm(args.pretrain)
+    if not check_ppo_args(args):  # a vision-language policy is checked for what its images allow
+        check_causal_lm(args.pretrain)
     routing_replay.check_flags(args)
     if args.packing_samples:  # the reward models score padded rows
         check_packing(args.pretrain)

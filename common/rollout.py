@@ -18,6 +18,7 @@ from common import ppo_tricks as tricks
 from common.agents import AgentEndpoint, agent_function
 from common.logging_utils import timed
 from common.vllm_engine import collect, generate, start_generate, wait_for
+from common.vlm import engine_prompts
 
 
 def step_prompts(args, prompts: list[dict], step: int) -> list[dict]:
@@ -108,9 +109,10 @@ class Rollouts:
     def start(self, step: int) -> tuple[list[dict], list]:
         """--async_rollouts: this step's prompts, and the engines' responses to them under way (`collect` them)."""
         picked = step_prompts(self.args, self.prompts, step)
-        return picked, start_generate(self.cluster.engines, [p["ids"] for p in picked], self.args.n_samples_per_prompt,
+        ids, images = engine_prompts(picked)
+        return picked, start_generate(self.cluster.engines, ids, self.args.n_samples_per_prompt,
                                       self.args.temperature, self.args.top_p, self.args.generate_max_len,
-                                      sample_seeds(self.args, step, "", len(picked)))
+                                      sample_seeds(self.args, step, "", len(picked)), images)
 
     def respond(self, prompts: list[dict], n: int, temperature: float,
                 seeded: tuple[int, str] | None = None) -> list[list[dict]]:
@@ -139,8 +141,9 @@ class Rollouts:
             samples = self.agents.run_episodes(agent_function(args.agent_fn), prompts, n, one_request,
                                                seed_of if seeded else None)
         else:
-            samples = generate(cluster.engines, [p["ids"] for p in prompts], n, temperature, args.top_p,
-                               args.generate_max_len, sample_seeds(args, *seeded, len(prompts)) if seeded else None)
+            ids, images = engine_prompts(prompts)  # a vision-language policy's prompts: with their images
+            samples = generate(cluster.engines, ids, n, temperature, args.top_p, args.generate_max_len,
+                               sample_seeds(args, *seeded, len(prompts)) if seeded else None, images)
         cluster.sleep.after_generate()
         return samples
 

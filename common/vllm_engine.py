@@ -30,6 +30,7 @@ from common.cpu_memory import keep_freed_memory
 from common.data import generation_stop_ids
 from common.routing_replay import attach_routes, start_capture, take_routes
 from common.ray_workers import WorkerHung, bundle_nodes, check_alive, tensor_parallel_bundles, use_gpus, wait
+from common.vlm import placeholder_token_ids
 from common.weight_sync import SYNC_TIMEOUT, checkpoint_tensor_names, device_placement
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class VLLMEngine:
         self.moe_layers = self.llm.collective_rpc(start_capture)[0]  # each sample's experts (routing_replay.py)
         # every sample stops there too, besides the EOS and generation_config's tokens (data.generation_stop_ids)
         self.stop_token_ids = generation_stop_ids(self.llm.get_tokenizer(), True) if stop_at_end_of_turn else []
+        # a vision-language model's image placeholders, which no response may hold (vLLM's bias is at most -100)
+        self.banned_token_ids = placeholder_token_ids(self.llm.model_config.hf_config)
 
     def ready(self) -> bool:
         """True once the engine has loaded its model; `ray.get` on it re-raises any error from start-up."""
@@ -183,7 +186,7 @@ class VLLMEngine:
         sample also ends at the chat template's end-of-turn token, which it keeps as its last token, as the EOS.
         `images`, one list of PIL images per prompt, go to a vision-language model as `multi_modal_data`; their
         prompts hold one placeholder token per image, which vLLM expands itself (given expanded ones, it expands them
-        again).
+        again); no response holds a placeholder (vlm.placeholder_token_ids).
 
         vLLM does not detokenize the samples (unless asked to, or given stop strings, which need it): only token ids
         come back, and its incremental detokenization took 8% of a 256 x 64-token generation on CPU (3.5 s against
@@ -194,6 +197,8 @@ class VLLMEngine:
         sampling_kwargs.setdefault("detokenize", bool(sampling_kwargs.get("stop")))
         if self.stop_token_ids:
             sampling_kwargs.setdefault("stop_token_ids", self.stop_token_ids)
+        if self.banned_token_ids:
+            sampling_kwargs.setdefault("logit_bias", dict.fromkeys(self.banned_token_ids, -100.0))
 
         def params_for(limit: int, seed: int | None):
             return vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit, seed=seed,
@@ -246,10 +251,14 @@ class VLLMEngine:
         """The tensor names of the checkpoint this engine loaded, which its weight loader reads (None if unread)."""
         return checkpoint_tensor_names(self.pretrain_path)
 
-    def finish_weight_update(self, complete: bool = True) -> float:
+    def finish_weight_update(self, complete: bool = True, tower_kept: bool = False) -> float:
         """After the last bucket: finish loading, and forget cached KV, which the old weights computed; returns the
-        seconds the slowest worker took to finish. `complete=False`: only some layers were sent (LoRA)."""
-        seconds = max(self.llm.collective_rpc("weight_sync_finish", args=(complete,)))
+        seconds the slowest worker took to finish. `complete=False`: only some layers were sent (LoRA);
+        `tower_kept`: all but a frozen vision tower's."""
+        seconds = max(self.llm.collective_rpc("weight_sync_finish", args=(complete, tower_kept)))
+        # image features the old weights encoded, forgotten by the scheduler and the workers together: a worker that
+        # drops its own alone is later asked for features the scheduler thinks it holds ("Encoder cache miss")
+        self.llm.llm_engine.reset_encoder_cache()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update; "
                                "do not update weights while this engine is generating.")
@@ -501,21 +510,25 @@ class EngineHung(EngineDied):
 
 
 def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-             max_tokens: int | list[int], seeds: list[int] | None = None) -> list[list[dict]]:
+             max_tokens: int | list[int], seeds: list[int] | None = None,
+             images: list[list] | None = None) -> list[list[dict]]:
     """VLLMEngine.generate over all engines, the prompts dealt out in turn; raises EngineDied if one is gone."""
-    return collect(engines, start_generate(engines, prompt_ids, n, temperature, top_p, max_tokens, seeds))
+    return collect(engines, start_generate(engines, prompt_ids, n, temperature, top_p, max_tokens, seeds, images))
 
 
 def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                   max_tokens: int | list[int], seeds: list[int] | None = None) -> list:
+                   max_tokens: int | list[int], seeds: list[int] | None = None,
+                   images: list[list] | None = None) -> list:
     """generate() without waiting: the engines' pending results, for `collect`. The engines sample with the
     weights they hold now; a weight sync must wait until they are collected. With `seeds` (one per prompt) a
-    prompt's samples do not depend on the engine it is dealt to, nor on how many engines there are."""
+    prompt's samples do not depend on the engine it is dealt to, nor on how many engines there are. `images`: one
+    list per prompt, a vision-language model's (VLLMEngine.generate)."""
     def dealt(values, i):
         return values[i:: len(engines)] if isinstance(values, list) else values
 
     return [e.generate.remote(dealt(prompt_ids, i), n=n, temperature=temperature, top_p=top_p,
-                              max_tokens=dealt(max_tokens, i), seeds=dealt(seeds, i)) for i, e in enumerate(engines)]
+                              max_tokens=dealt(max_tokens, i), seeds=dealt(seeds, i), images=dealt(images, i))
+            for i, e in enumerate(engines)]
 
 
 def first_answer(pending: list, engine_of: dict, num_engines: int, timeout: float | None = None):

@@ -15,6 +15,8 @@ them.
 
 import base64
 import binascii
+import functools
+import hashlib
 import io
 import json
 import os
@@ -207,7 +209,11 @@ def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], ima
 def vlm_sample(processor, messages: list[dict], base_dir: str, max_len: int) -> tuple[dict, bool]:
     """One conversation with images as {"input_ids", "loss_mask", "images"}, its assistant turns trained on, and
     whether it was truncated to max_len. Truncation never cuts into an image: a DataError instead."""
-    messages, images = split_images(messages, base_dir)
+    return sample_of_read_images(processor, *split_images(messages, base_dir), max_len)
+
+
+def sample_of_read_images(processor, messages: list[dict], images: list, max_len: int) -> tuple[dict, bool]:
+    """vlm_sample of messages whose images are read already (split_images' two results)."""
     text, spans = render_chat(processor.tokenizer, messages)
     ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
     if images_end > max_len:
@@ -278,6 +284,42 @@ def build_vlm_preference_samples(rows, processor, source, input_key, chosen_key,
     return checked_samples(samples, source, max_len, log, truncated, dropped, "responses", "pairs")
 
 
+def build_vlm_kto_samples(rows, processor, source, input_key, output_key, label_key, max_len,
+                          log=print) -> list[dict]:
+    """Tokenize unpaired feedback whose prompts hold images (kto.py) into vlm_sample's {"input_ids", "loss_mask",
+    "images"} with "label" (a JSON boolean), and what mismatched_pair puts another response after: the prompt's
+    messages and the response. "prompt_text", which tells prompts apart (kto.py's mismatched_partners), is the
+    rendered prompt followed by its images' digests: the image task's prompts share their text."""
+    if not rows:
+        raise DataError(f"dataset {source} is empty.")
+    samples, truncated, dropped = [], 0, 0
+    for i, row in enumerate(rows):
+        with sample_context(source, i):
+            prompt, response = as_messages(get_key(row, input_key, i, source)), get_response(row, output_key, i,
+                                                                                                source, input_key)
+            label = get_key(row, label_key, i, source)
+            if not isinstance(label, bool):
+                raise DataError(f"{label_key!r} must be true or false (a JSON boolean), got {label!r}.")
+            messages, images = split_images(prompt, dataset_folder(source))
+            sample, cut = sample_of_read_images(processor, messages + [{"role": "assistant", "content": response}],
+                                                images, max_len)
+        truncated += cut
+        if sum(sample["loss_mask"]) == 0:
+            dropped += 1
+            continue
+        digests = [hashlib.sha256(image.tobytes()).hexdigest()[:16] for image in images]
+        samples.append({**sample, "label": label, "prompt_messages": messages, "response": response,
+                        "prompt_text": render_chat(processor.tokenizer, messages)[0] + " ".join(digests)})
+    return checked_samples(samples, source, max_len, log, truncated, dropped, f"of {len(rows)} samples")
+
+
+def mismatched_pair(processor, sample: dict, other: dict, max_len: int) -> dict:
+    """`sample`'s prompt, its images included, followed by `other`'s response (build_vlm_kto_samples' samples): KTO's
+    mismatched pair, rendered and expanded as a sample is."""
+    messages = sample["prompt_messages"] + [{"role": "assistant", "content": other["response"]}]
+    return sample_of_read_images(processor, messages, sample["images"], max_len)[0]
+
+
 def image_inputs(processor, samples: list[dict], packing: bool) -> dict[str, torch.Tensor]:
     """The forward's image tensors for a collated batch (Idefics3: pixel_values (batch, images, 3, H, W) and their
     pixel_attention_mask): one row of images per padded sample, or one for the packed row; {} without images."""
@@ -325,6 +367,121 @@ def check_sampler_args(args) -> bool:
                (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
                                       "alone, leave out --reward_pretrain"),
                (args.mode == "csft", "takes --mode best_of_n or dpo_pairs (csft writes rewards into text prompts)")]
+    for wrong, what in refused:
+        if wrong:
+            raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------ ppo_ray.py
+@functools.cache
+def cached_processor(path: str):
+    """load_processor, once per process: ppo_ray.py's driver reads every batch's images with it."""
+    return load_processor(path)
+
+
+def prompt_processor(args, rows: list[dict], source: str):
+    """The processor that reads ppo_ray.py's prompt images: the --pretrain's for a vision-language model, None for a
+    text model, which is refused rows with images."""
+    if is_vision_language(args.pretrain):
+        return cached_processor(args.pretrain)
+    check_takes_images(rows, args.input_key, source, args.pretrain)
+    return None
+
+
+def with_images(entry: dict, processor, source: str) -> dict:
+    """A ppo_ray.py prompt ({"prompt", "ids", "label"}, ids of its rendered text) with its images read: `images`,
+    `engine_ids` (the rendered text's ids, one placeholder per image, which vLLM expands itself beside the images)
+    and `ids` expanded as the processor expands each placeholder, the tokens vLLM returns and the trainer scores."""
+    images = split_images(as_messages(entry["prompt"]), dataset_folder(source))[1] if isinstance(
+        entry["prompt"], list) else []
+    placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    if entry["ids"].count(placeholder) != len(images):
+        raise DataError(f"the rendered prompt holds {entry['ids'].count(placeholder)} image placeholders "
+                        f"{processor.image_token!r} for {len(images)} image parts; remove that token from the text.")
+    expanded, pending = [], iter(images)
+    for token in entry["ids"]:
+        expanded += image_token_ids(processor, next(pending)) if token == placeholder else [token]
+    return dict(entry, ids=expanded, engine_ids=entry["ids"], images=images)
+
+
+def placeholder_token_ids(config) -> list[int]:
+    """The tokens a vision-language model's forward replaces with image (or video) features (its config's
+    image_token_id, video_token_id), which its policy never samples: in a response such a token would be given a
+    feature no image provides, and the trainer could not score it. vLLM bans them with a logit bias, the trainer's
+    log-probs leave them out (ModelWorker._logprobs); [] for a text model."""
+    ids = [getattr(config, key, None) for key in ("image_token_id", "video_token_id")]
+    return [i for i in ids if isinstance(i, int)] if getattr(config, "vision_config", None) is not None else []
+
+
+def engine_prompts(prompts: list[dict]) -> tuple[list[list[int]], list[list] | None]:
+    """What vLLM is given for these prompts: each one's ids with a placeholder per image, and its images (None for
+    text prompts)."""
+    ids = [p.get("engine_ids", p["ids"]) for p in prompts]
+    return ids, ([p["images"] for p in prompts] if any(p.get("images") for p in prompts) else None)
+
+
+def experience_images(pretrain: str, prompts: list[dict], samples: list[list[dict]]) -> dict[str, torch.Tensor]:
+    """The forward's image tensors for ppo_ray.py's experience, one row per response in build_batch's order (each
+    response sees its prompt's images), every tensor (rows, ...) so that the batch is cut by rows like the others;
+    {} without images. A processor whose tensors are not per row (Qwen-VL's patches of all images in one) is refused."""
+    rows = [p.get("images", []) for p, group in zip(prompts, samples) for _ in group]
+    if not any(rows):
+        return {}
+    processor = cached_processor(pretrain)
+    inputs = image_inputs(processor, [{"images": images} for images in rows], packing=False)
+    for key, value in inputs.items():
+        if value.shape[0] != len(rows):
+            raise UserError(f"--pretrain {pretrain}: its processor gives {key} of shape {tuple(value.shape)}, not one "
+                            f"row per response, which ppo_ray.py cuts into micro-batches by rows; it takes "
+                            f"vision-language models whose images are per row (Idefics3, SmolVLM) so far.")
+    return inputs
+
+
+def is_image_input(key: str) -> bool:
+    """Whether a batch's tensor is an image input of the forward (pixel_values, pixel_attention_mask), cut by rows
+    only: it has no token axis."""
+    return key.startswith("pixel_")
+
+
+def forward_images(model, batch: dict) -> dict[str, torch.Tensor]:
+    """The micro-batch's image inputs for the model's forward, or none where its rows hold no image token: a batch of
+    padding images alone would run the vision tower on nothing."""
+    inputs = {key: value for key, value in batch.items() if is_image_input(key)}
+    if not inputs:  # a text model's batch
+        return {}
+    image_token = getattr(getattr(model, "module", model).config, "image_token_id", None)
+    return inputs if (batch["input_ids"] == image_token).any() else {}
+
+
+def frozen_tower_names(model) -> set[str]:
+    """The in-memory names of a vision tower's parameters that do not train (--freeze_vision_tower): the weight sync
+    leaves them out, since the engines hold them as loaded. Empty for a text model or a trained tower."""
+    model = getattr(model, "module", model)
+    if getattr(model.config, "vision_config", None) is None:
+        return set()
+    tower = {id(p) for p in vision_tower(model).parameters() if not p.requires_grad}
+    return {name for name, p in model.named_parameters() if id(p) in tower}
+
+
+def check_ppo_args(args) -> bool:
+    """Refuse ppo_ray.py's flags that cannot apply to a vision-language --pretrain; returns whether it is one. Its
+    prompts are chat messages with image parts; the critic, reward models, teacher and environments here read text
+    alone, so a visual task is scored by --reward_fn or --remote_rm_url with a critic-free estimator."""
+    if not is_vision_language(args.pretrain):
+        return False
+    refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
+               (args.advantage_estimator == "gae" or args.critic_pretrain,
+                "trains here without a critic, which would read text alone: give --advantage_estimator grpo, "
+                "dr_grpo, rloo, reinforce++ or reinforce++-baseline"),
+               (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
+                                      "alone, leave out --reward_pretrain"),
+               (args.teacher_pretrain, "takes no --teacher_pretrain here (a teacher would read the text alone)"),
+               (args.env_fn or args.agent_fn, "takes single-turn prompts here: leave out --env_fn and --agent_fn"),
+               (args.ptx_data, "takes no --ptx_data here (its pretraining rows hold no images)"),
+               (args.lora_rank, "is trained whole here: LoRA on its language model is not built yet, leave out "
+                                "--lora_rank"),
+               (args.packing_samples, "is trained on padded batches here: leave out --packing_samples")]
     for wrong, what in refused:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")

@@ -318,9 +318,10 @@ def tensor_from_ipc(handle: dict, device: torch.device) -> torch.Tensor:
     return rebuild_cuda_tensor(**args)
 
 
-def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, full tensor) for every parameter of a plain or ZeRO-3-partitioned model, in the layout
-    its checkpoint holds (see in_checkpoint_layout), which is what vLLM's loaders read.
+def iter_gathered_params(model, skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, full tensor) for every parameter of a plain or ZeRO-3-partitioned model but those whose
+    in-memory names `skip` holds (a frozen vision tower's), in the layout its checkpoint holds (see
+    in_checkpoint_layout), which is what vLLM's loaders read.
 
     ZeRO-3 parameters (those with a `ds_id`) are gathered PARAMS_PER_GATHER at a time, so the whole model never sits
     gathered in memory. Gathering is a collective: every trainer rank must run through this iterator, even though
@@ -328,11 +329,11 @@ def iter_gathered_params(model) -> Iterator[tuple[str, torch.Tensor]]:
     """
     if type(model).__name__ == "DeepSpeedEngine":
         model = model.module  # its parameter names carry a "module." prefix vLLM does not know
-    yield from in_checkpoint_layout(model, _gathered(model))
+    yield from in_checkpoint_layout(model, _gathered(model, skip))
 
 
-def _gathered(model) -> Iterator[tuple[str, torch.Tensor]]:
-    named = list(model.named_parameters())
+def _gathered(model, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    named = [(name, p) for name, p in model.named_parameters() if name not in skip]
     if not any(hasattr(p, "ds_id") for _, p in named):
         for name, p in named:
             yield name, p.detach()
@@ -406,14 +407,16 @@ def in_checkpoint_layout(model, named_params: Iterable[tuple[str, torch.Tensor]]
 
 @torch.no_grad()
 def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], engines: list,
-                              sync: WeightSyncGroup, bucket_bytes: int = 256 * 2**20, complete: bool = True) -> dict:
+                              sync: WeightSyncGroup, bucket_bytes: int = 256 * 2**20, complete: bool = True,
+                              tower_kept: bool = False) -> dict:
     """Send every (name, tensor) to all engines in buckets of up to `bucket_bytes`, then make the engines use them.
 
     Runs on trainer rank 0. The names must be the checkpoint's (iter_gathered_params gives them): one the engines'
     checkpoint does not hold stops the sync with an error, since vLLM's loaders reject such a name or, worse, skip
     it and keep the old weight. A layer that a complete sync leaves with its old weights in vLLM raises StaleLayers.
     `complete=False` says that only some layers are sent (LoRA's merged layers): vLLM keeps the others without a
-    warning for each. Each tensor is copied into the bucket as soon as it arrives, so
+    warning for each; `tower_kept=True` that all but a frozen vision tower are (whose layers vLLM keeps, and only
+    those). Each tensor is copied into the bucket as soon as it arrives, so
     `named_params` may free it right after (as `iter_gathered_params` does). A tensor larger than `bucket_bytes`
     travels alone. Returns
     counts and times, e.g. {"weight_sync/buckets": 3, "weight_sync/tensors": 21, "weight_sync/seconds": 0.4, ...};
@@ -449,7 +452,7 @@ def broadcast_weights_to_vllm(named_params: Iterable[tuple[str, torch.Tensor]], 
         stats["weight_sync/tensors"] += len(meta)
     wait_loads(in_flight)
     try:
-        wait_loads([engine.finish_weight_update.remote(complete) for engine in engines])
+        wait_loads([engine.finish_weight_update.remote(complete, tower_kept) for engine in engines])
     except StaleLayers as error:  # the engine's sentence, without Ray's traceback around it
         raise StaleLayers(str(getattr(error, "cause", error))) from None
     if sync.local == "ipc":
@@ -575,14 +578,15 @@ class WeightSyncWorkerExtension:
             load_noting_bypasses(model, tensors, self._weight_sync_bypassed)
         return time.perf_counter() - start
 
-    def weight_sync_finish(self, complete: bool = True) -> float:
+    def weight_sync_finish(self, complete: bool = True, tower_kept: bool = False) -> float:
         """Close the reload the buckets opened: land the layers whose loader copied past the reload, process layers
         still pending and drop state built on old weights; returns the seconds it took.
 
         A complete sync that leaves a layer with its old weights (vLLM's "Failed to load weights") raises
         StaleLayers, after closing the reload, so the engine keeps a consistent model and the run stops. After a sync
         of some layers only (`complete=False`, LoRA's) the layers not sent keep their weights by intent, and vLLM's
-        warning for each is silenced; a layer that was sent lands all the same (land_bypassed_layers)."""
+        warning for each is silenced; a layer that was sent lands all the same (land_bypassed_layers). `tower_kept`:
+        a vision-language model's frozen vision tower was left out, and its layers alone may keep their weights."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -592,12 +596,13 @@ class WeightSyncWorkerExtension:
         model = self.model_runner.get_model()
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         level = reload_log.level
-        reload_log.setLevel(level if complete else logging.ERROR)
+        reload_log.setLevel(level if complete and not tower_kept else logging.ERROR)
         try:
             with set_current_vllm_config(self.vllm_config):
                 land_bypassed_layers(model, self._weight_sync_bypassed)
                 keep_unsent_buffers(model)
                 stale = unloaded_layers(model) if complete else []
+                stale = [name for name in stale if not (tower_kept and in_vision_tower(model, name))]
                 finalize_layerwise_reload(model, self.model_config)
                 reprocess_tied_layers(model)
         finally:
@@ -611,9 +616,15 @@ class WeightSyncWorkerExtension:
                               f"another policy than the trainer's; send every tensor of the checkpoint, or report "
                               f"the family as one this sync does not support.")
         self.model_runner.reset_lora_state()
-        self.model_runner.reset_encoder_cache()
-        self.model_runner.reset_mm_cache()
         return time.perf_counter() - start
+
+
+def in_vision_tower(model, layer: str) -> bool:
+    """Whether a vLLM model's layer belongs to its vision tower, as its multimodal mapping names the tower's modules
+    (Idefics3's model.vision_model, Qwen-VL's visual); False for a model without one."""
+    mapping = getattr(model, "get_mm_mapping", None)
+    towers = mapping().tower_model if mapping else []
+    return any(layer == prefix or layer.startswith(prefix + ".") for prefix in towers)
 
 
 class StaleLayers(RuntimeError):
@@ -693,7 +704,10 @@ def keep_unsent_buffers(model) -> int:
 def unloaded_layers(model) -> list[str]:
     """Names of the layers that hold parameters a reload gave nothing, which vLLM is about to put back as they were:
     after a complete sync each is a layer vLLM would sample with stale weights. A layer whose parameter another
-    layer shares (tied embeddings' lm_head) is left out: reprocess_tied_layers rebuilds it.
+    layer shares (tied embeddings' lm_head) is left out: reprocess_tied_layers rebuilds it. A layer given some of its
+    parameters only (a SigLIP or Qwen2 projection's bias without its weight) is named with each parameter it lacks:
+    vLLM processes such a layer as if padding were missing, and the parameter not sent is left as the fresh memory
+    the reload made for it, silently.
 
     A layer still waiting holds its old parameters aside (kernel_tensors) and meta tensors in their place; one that
     vLLM finished during the sync holds its parameters again and keeps none aside. The embedding of a vocabulary with
@@ -713,11 +727,14 @@ def unloaded_layers(model) -> list[str]:
     stale = []
     for name, module in model.named_modules():
         info = LAYERWISE_INFO.get(module)
-        if (info is None or not info.can_load() or info.load_numel > 0 or not info.kernel_tensors
+        if (info is None or not info.can_load() or not info.kernel_tensors
                 or is_deferred_attention_layer(module)):  # vLLM rebuilds attention layers from their scales
             continue
         params = {n: p for n, p in info.kernel_tensors[0].items() if n not in SKIP_LOAD_TENSORS}
-        if params and all(owners[id(p)] == 1 for p in params.values()):
+        if info.load_numel > 0:  # a layer given some of its parameters (a bias without its weight)
+            sent = {n for n, _ in info.loaded_weights}
+            stale += [f"{name}.{n}" for n in params if n not in sent]
+        elif params and all(owners[id(p)] == 1 for p in params.values()):
             stale.append(name or type(module).__name__)
     return stale
 

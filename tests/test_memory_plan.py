@@ -2,6 +2,9 @@
 
 tests/llama3_8b and tests/llama3_70b hold the config.json of Meta's Llama-3-8B and Llama-3-70B as published (no
 weights): the plan is computed from them alone, so every recipe's layout is checked against 80 GiB GPUs here.
+tests/idefics3_8b holds an Idefics3 config built with transformers' Idefics3Config from Llama-3-8B's text config and
+SigLIP-so400m's vision sizes (hidden 1152, 27 layers, 364-pixel images in 14-pixel patches), the shapes of
+Idefics3-8B-Llama3: the vision-language recipe's stand-in.
 """
 
 import json
@@ -22,13 +25,15 @@ from common.args import UserError, parse_args
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LLAMA = {"8B": os.path.join(TESTS, "llama3_8b"), "70B": os.path.join(TESTS, "llama3_70b")}
 MIXTRAL = os.path.join(TESTS, "mixtral_8x7b")  # Mixtral-8x7B's config.json as published (46.7B parameters)
+IDEFICS3 = os.path.join(TESTS, "idefics3_8b")
 
 
 def recipe_args(name: str, flags: list[str], **changes) -> ppo_ray.Args:
-    """The recipe's Args, its models standing in as the Llama-3 config its header names ("... of a 70B ...")."""
+    """The recipe's Args, its models standing in as the config its header names ("... of a 70B ...", Idefics3)."""
     with open(os.path.join(ROOT, "launch", name.split(" = ")[0])) as f:
-        size = "70B" if "70B Llama" in f.read() else "8B"
-    args = parse_args(ppo_ray.Args, [LLAMA[size] if "$" in w else w for w in flags])
+        header = f.read()
+    model = IDEFICS3 if "Idefics3" in header else LLAMA["70B" if "70B Llama" in header else "8B"]
+    args = parse_args(ppo_ray.Args, [model if "$" in w else w for w in flags])
     for key, value in changes.items():
         setattr(args, key, value)
     return args
@@ -50,6 +55,27 @@ def test_every_recipe_fits_its_gpus(name, nodes, flags):
     groups = memory_plan.plan(args)
     memory_plan.check(args, groups)
     assert sum(gpus for gpus, _ in groups.values()) == 8 * nodes, memory_plan.describe(args, groups)
+
+
+def test_a_vision_language_policy_plans_its_tower_frozen_or_trained():
+    """The Idefics3 recipe: with the tower frozen (the default) the actor holds its bf16 shard and no gradients or Adam
+    states for it; trained, its states join the model's and its layers' inputs over one image a row the activations.
+    The engines hold the whole model, tower included."""
+    name, _, flags = next(r for r in RECIPES if "idefics3" in r[0])
+    sizes = memory_plan.model_sizes(memory_plan.read_config(IDEFICS3, "--pretrain"))
+    assert sizes["params"] == 8_462_086_384 and sizes["vision_params"] == 412_926_192
+    # 27 layers x 26 x 26 patches x (18 x 1152 + 8 x 4304) bytes
+    assert sizes["activations_per_image"] == 27 * 676 * (18 * 1152 + 8 * 4304)
+    frozen_args, trained_args = (recipe_args(name, flags, freeze_vision_tower=f) for f in (True, False))
+    frozen, trained = (memory_plan.plan(a) for a in (frozen_args, trained_args))
+    gpus, roles = frozen["actor"]
+    assert roles["actor"]["frozen vision tower"] == 2 * 412_926_192 // gpus
+    assert "frozen vision tower" not in trained["actor"][1]["actor"]
+    assert trained["actor"][1]["actor"]["model states"] > roles["actor"]["model states"]
+    assert trained["actor"][1]["actor"]["activations"] - roles["actor"]["activations"] == \
+        frozen_args.micro_train_batch_size * sizes["activations_per_image"]
+    assert frozen["vLLM"][1]["vLLM"]["weights"] == 2 * sizes["params"]
+    memory_plan.check(frozen_args, frozen)
 
 
 def test_lora_plans_the_adapters_states_and_no_reference():

@@ -104,6 +104,35 @@ def test_preference_pairs_share_the_prompt_and_its_images_and_train_on_each_resp
             assert processor.tokenizer.decode(trained) == row[key] + processor.tokenizer.eos_token
 
 
+def test_kto_pairs_each_prompt_and_its_own_images_with_another_samples_response(tiny_vlm, tmp_path):
+    """kto.py's mismatched pairs on a VLM: the prompt keeps its images, the response is the partner's, and two
+    prompts of the same text but different images are different prompts (the image task's are all alike in text)."""
+    import kto
+
+    (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
+    (tmp_path / "blue.png").write_bytes(png_bytes((56, 56), (0, 0, 255)))
+    rows = [dict(image_row(["red.png"], response="3"), label=True),
+            dict(image_row(["blue.png"], response="0"), label=False),
+            dict(image_row(["red.png"], "what colour?", response="red"), label=True)]
+    source = write_jsonl(tmp_path / "kto.jsonl", rows)
+    processor = vlm.load_processor(tiny_vlm)
+    samples = vlm.build_vlm_kto_samples(rows, processor, source, "prompt", "response", "label", 128)
+    assert [s["label"] for s in samples] == [True, False, True]
+    assert samples[0]["prompt_text"] != samples[1]["prompt_text"]  # same text, another image
+    assert kto.mismatched_partners(samples) == samples[1:] + samples[:1]
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    batch = kto.collate(samples, processor.tokenizer, 128, False, "cpu", processor=processor)
+    logps, mismatched_logps = kto.forward_logps(model, batch)
+    for i, partner in enumerate(samples[1:] + samples[:1]):  # each prompt with its images, the next one's response
+        messages = rows[i]["prompt"] + [{"role": "assistant", "content": partner["response"]}]
+        alone, _ = vlm.vlm_sample(processor, messages, str(tmp_path), 128)
+        ids = torch.tensor([alone["input_ids"]])
+        logits = model(input_ids=ids, **vlm.image_inputs(processor, [alone], False)).logits[0, :-1]
+        expected = (logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+                    * torch.tensor(alone["loss_mask"][1:])).sum()
+        assert abs(mismatched_logps[i].item() - expected.item()) < 1e-4
+
+
 def test_truncation_cuts_the_response_and_never_an_image(tiny_vlm, tmp_path):
     processor = vlm.load_processor(tiny_vlm)
     (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
@@ -156,6 +185,19 @@ def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(t
         wrong = type("Wrong", (Args,), {flag: value})
         with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
             vlm.check_trainer_args(wrong)
+
+
+def test_rm_refuses_a_vlm_and_image_rows_for_a_text_model_in_one_sentence(tiny_model, tiny_vlm, tmp_path):
+    """rm.py's reward models load as transformers' sequence classifiers, which no VLM family has."""
+    import rm
+
+    source = write_jsonl(tmp_path / "pairs.jsonl", [image_row(["red.png"])])
+    with pytest.raises(vlm.UserError, match=rf"^--pretrain {tiny_vlm} is a vision-language model, and rm.py trains "
+                                            rf"reward models that load as transformers' sequence classifiers"):
+        rm.check_args(rm.Args(pretrain=tiny_vlm, dataset=source, output_dir=str(tmp_path / "out")))
+    text = rm.Args(pretrain=tiny_model, dataset=source, apply_chat_template=True)
+    with pytest.raises(data.DataError, match=rf"1 rows hold images under 'prompt', and the model {tiny_model}"):
+        rm.load_pairs(text, AutoProcessor.from_pretrained(tiny_vlm).tokenizer, source, "train")
 
 
 def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_under_zero3_on_two_ranks(tiny_vlm,
@@ -328,3 +370,22 @@ def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
     processor.save_pretrained(tmp_path)
     with pytest.raises(vlm.UserError, match=rf"--pretrain {tmp_path}: its tokenizer has no end-of-sequence token"):
         vlm.load_processor(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, tmp_path):
+    """kto.py on image feedback with the vision tower frozen (the default): the connector and the language model
+    move, the tower does not, and the folder loads as a plain transformers VLM."""
+    (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
+    (tmp_path / "blue.png").write_bytes(png_bytes((56, 56), (0, 0, 255)))
+    rows = [dict(image_row([colour + ".png"], response=answer), label=good)
+            for colour in ("red", "blue") for answer, good in (("3", colour == "red"), ("0", colour == "blue"))]
+    source = write_jsonl(tmp_path / "kto.jsonl", rows)
+    out = str(tmp_path / "kto")
+    run_script("kto.py", ["--pretrain", tiny_vlm, "--dataset", source, "--apply_chat_template", "--output_dir", out,
+                          "--train_batch_size", "4", "--micro_train_batch_size", "4", "--max_steps", "2",
+                          "--learning_rate", "1e-2", "--max_len", "64"])
+    assert changed_parts(tiny_vlm, out) == {"model.connector", "model.text_model", "lm_head.weight"}
+    AutoModelForImageTextToText.from_pretrained(out)
+    assert AutoProcessor.from_pretrained(out).image_token == "<image>"

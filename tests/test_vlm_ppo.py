@@ -1,0 +1,204 @@
+"""ppo_ray.py on a vision-language policy, the tiny Idefics3 of common/tiny_vlm.py: prompts with images expanded as the
+processor expands them (what vLLM returns and the trainer scores), the experience's pixel values row by row, the flags
+that cannot apply refused, and GRPO runs whose vllm/logprob_diff stays at float rounding after every weight sync,
+with the vision tower trained (and synced) or frozen (and left out of the sync); a sync that leaves a trained vision
+layer out stops."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import SEED, run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from common import vlm
+from common.args import UserError
+from common.data import DataError, load_prompts, render_prompt
+from common.model_worker import micro_batch
+from common.synthetic_image_task import write_image_task
+from common.tiny_vlm import IMAGE_TOKENS, write_tiny_vlm
+
+# vLLM's float32 log-probs against the trainer's: ~2e-7 on the tiny VLM; a stale layer gives 1e-3 and more.
+ROUNDING_LEVEL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> str:
+    return write_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")), seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def image_task(tmp_path_factory) -> dict:
+    return write_image_task(str(tmp_path_factory.mktemp("image_task")), seed=SEED, num_train=16, num_eval=4)
+
+
+def ppo_args(pretrain: str, **flags) -> SimpleNamespace:
+    """The ppo_ray.py flags load_prompts and check_ppo_args read, at their defaults but for a critic-free estimator."""
+    defaults = dict(pretrain=pretrain, apply_chat_template=True, input_template=None, input_key="prompt",
+                    label_key="label", prompt_max_len=64, reward_fn="r.py:f", remote_rm_url=None, env_fn=None,
+                    agent_fn=None, advantage_estimator="grpo", critic_pretrain=None, reward_pretrain=None,
+                    teacher_pretrain=None, ptx_data=None, lora_rank=0, packing_samples=False)
+    return SimpleNamespace(**{**defaults, **flags})
+
+
+def test_image_prompts_give_vllm_placeholders_and_the_trainer_the_processors_expansion(tiny_vlm, image_task):
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    args = ppo_args(tiny_vlm)
+    prompts = load_prompts(args, processor.tokenizer, image_task["prompts_train"], "train")
+    assert len(prompts) == 16
+    placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    for prompt in prompts[:4]:
+        text = render_prompt(processor.tokenizer, prompt["prompt"], True, None)
+        expected = processor(text=[text], images=[prompt["images"]], add_special_tokens=False)["input_ids"][0]
+        assert prompt["ids"] == list(expected)  # what the trainer scores: every image's markers and features
+        assert prompt["engine_ids"].count(placeholder) == len(prompt["images"]) == 1  # what vLLM expands itself
+        assert prompt["ids"].count(placeholder) == IMAGE_TOKENS
+    ids, images = vlm.engine_prompts(prompts[:3])
+    assert ids == [p["engine_ids"] for p in prompts[:3]] and images == [p["images"] for p in prompts[:3]]
+    # an image's tokens count toward --prompt_max_len, as they fill vLLM's context
+    short = ppo_args(tiny_vlm, prompt_max_len=len(prompts[0]["engine_ids"]) + 1)
+    with pytest.raises(DataError, match="longer than --prompt_max_len"):
+        load_prompts(short, processor.tokenizer, image_task["prompts_train"], "train")
+
+
+def test_the_experience_carries_each_responses_images_by_row_and_micro_batches_keep_them_whole(tiny_vlm, image_task):
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    prompts = load_prompts(ppo_args(tiny_vlm), processor.tokenizer, image_task["prompts_train"], "train")[:3]
+    prompts.append(dict(prompts[0], images=[], ids=[5, 6], engine_ids=[5, 6]))  # a text prompt beside them
+    samples = [[{"token_ids": [7]}] * 2 for _ in prompts]  # 2 responses each
+    images = vlm.experience_images(tiny_vlm, prompts, samples)
+    pixels = images["pixel_values"]  # (rows, images, 3, H, W)
+    assert pixels.shape[:2] == (8, 1) and images["pixel_attention_mask"].shape[:2] == (8, 1)
+    for row in range(6):
+        alone = processor.image_processor(images=[prompts[row // 2]["images"]], return_tensors="pt")
+        assert torch.equal(pixels[row], alone["pixel_values"][0])
+    assert not pixels[6:].any()  # the text prompt's responses: a padding image, which the model drops
+    batch = {"input_ids": torch.zeros(8, 40, dtype=torch.long), "attention_mask": torch.ones(8, 40), **images}
+    batch["attention_mask"][:, 30:] = 0
+    mb = micro_batch(batch, [1, 4])
+    assert mb["input_ids"].shape == (2, 30) and torch.equal(mb["pixel_values"], pixels[[1, 4]])
+    model = SimpleNamespace(config=SimpleNamespace(image_token_id=processor.tokenizer.convert_tokens_to_ids("<image>")))
+    assert not vlm.forward_images(model, mb)  # no image token in these rows: the vision tower would see nothing
+    mb["input_ids"][0, 3] = model.config.image_token_id
+    assert vlm.forward_images(model, mb).keys() == {"pixel_values", "pixel_attention_mask"}
+
+
+def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_vlm)
+    assert vlm.placeholder_token_ids(config) == [config.image_token_id]
+    assert vlm.placeholder_token_ids(AutoConfig.from_pretrained(tiny_model)) == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"apply_chat_template": False}, "needs --apply_chat_template"),
+    ({"advantage_estimator": "gae"}, "without a critic"),
+    ({"critic_pretrain": "c"}, "without a critic"),
+    ({"reward_pretrain": ["rm"]}, "leave out --reward_pretrain"),
+    ({"teacher_pretrain": "t"}, "--teacher_pretrain"),
+    ({"env_fn": "e.py:f", "reward_fn": None}, "leave out --env_fn and --agent_fn"),
+    ({"ptx_data": "p.jsonl"}, "--ptx_data"),
+    ({"lora_rank": 8}, "leave out --lora_rank"),
+    ({"packing_samples": True}, "leave out --packing_samples"),
+])
+def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(tiny_vlm, flags, message):
+    with pytest.raises(UserError, match=rf"^--pretrain .* is a vision-language model, which .*{message}"):
+        vlm.check_ppo_args(ppo_args(tiny_vlm, **flags))
+    assert vlm.check_ppo_args(ppo_args(tiny_vlm))
+
+
+def grpo(tiny_vlm: str, image_task: dict, out: str, *flags: str) -> list[dict]:
+    """Three GRPO steps on the image prompts, rewarded by the response's length (a spread in every group, so every
+    update moves the weights); returns the metrics rows."""
+    reward = os.path.join(os.path.dirname(out), "length_reward.py")
+    with open(reward, "w") as f:
+        f.write("def reward_fn(prompts, responses, labels):\n    return [float(len(r)) for r in responses]\n")
+    run_script("ppo_ray.py", ["--pretrain", tiny_vlm, "--prompt_data", image_task["prompts_train"],
+                              "--apply_chat_template", "--output_dir", out, "--generate_max_len", "6",
+                              "--prompt_max_len", "64", "--reward_fn", reward + ":reward_fn",
+                              "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4",
+                              "--rollout_batch_size", "8", "--train_batch_size", "32", "--micro_train_batch_size",
+                              "16", "--actor_learning_rate", "1e-2", "--init_kl_coef", "0.001", "--max_steps", "3",
+                              *flags])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [row for row in map(json.loads, f) if "vllm/logprob_diff" in row]
+
+
+def changed_parts(before_dir: str, after_dir: str) -> set[str]:
+    """The top-level parts of a saved model (model.vision_model, model.connector, ...) whose weights differ."""
+    before, after = (load_file(os.path.join(d, "model.safetensors")) for d in (before_dir, after_dir))
+    assert before.keys() == after.keys()
+    return {".".join(name.split(".")[:2]) for name in before if not torch.equal(before[name], after[name])}
+
+
+def parameter_bytes(path: str, part: str = "") -> int:
+    return sum(t.numel() * t.element_size() for name, t in load_file(os.path.join(path, "model.safetensors")).items()
+               if name.startswith(part))
+
+
+@pytest.mark.slow
+def test_grpo_with_the_vision_tower_trained_syncs_it_and_vllm_follows_the_trainer(tiny_vlm, image_task, tmp_path):
+    out = str(tmp_path / "ppo")
+    rows = grpo(tiny_vlm, image_task, out, "--freeze_vision_tower", "false")
+    diffs = [row["vllm/logprob_diff"] for row in rows]
+    assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer after a sync: {diffs}"
+    assert all(row["weight_sync/bytes"] == parameter_bytes(tiny_vlm) for row in rows)  # the tower went too
+    assert changed_parts(tiny_vlm, out) == {"model.vision_model", "model.connector", "model.text_model",
+                                            "lm_head.weight"}
+    AutoModelForImageTextToText.from_pretrained(out)  # a plain transformers VLM, its processor beside it
+    assert AutoProcessor.from_pretrained(out).image_token == "<image>"
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_grpo_with_the_vision_tower_frozen_leaves_it_out_of_the_sync(tiny_vlm, image_task, tmp_path):
+    out = str(tmp_path / "ppo")
+    rows = grpo(tiny_vlm, image_task, out)
+    diffs = [row["vllm/logprob_diff"] for row in rows]
+    assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer after a sync: {diffs}"
+    tower = parameter_bytes(tiny_vlm, "model.vision_model")
+    assert all(row["weight_sync/bytes"] == parameter_bytes(tiny_vlm) - tower for row in rows)
+    assert changed_parts(tiny_vlm, out) == {"model.connector", "model.text_model", "lm_head.weight"}
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_sync_that_leaves_a_trained_vision_layer_out_stops_and_a_frozen_tower_may_stay(tiny_vlm):
+    """The stale-layer check of common/weight_sync.py on a VLM: a trained tower's layer left out stops the sync,
+    the whole tower left out as frozen (tower_kept) does not, and a language layer left out stops it all the same."""
+    import ray
+
+    from common.vllm_engine import create_vllm_engines, shutdown_engines
+    from common.weight_sync import StaleLayers, broadcast_weights_to_vllm, init_weight_sync_group, iter_gathered_params
+
+    os.environ.update(RAY_AUTH_MODE="disabled", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # weights the engine does not hold
+    tower = vlm.frozen_tower_names(model.requires_grad_(True)) or {
+        name for name, _ in model.named_parameters() if name.startswith("model.vision_model.")}
+
+    def sync(skip, tower_kept=False):
+        params = ((n, t) for n, t in iter_gathered_params(model) if n not in skip)
+        return broadcast_weights_to_vllm(params, engines, group, tower_kept=tower_kept)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        engines = create_vllm_engines(num_engines=1, tensor_parallel_size=1, pretrain_path=tiny_vlm, seed=0,
+                                      max_model_len=128, enforce_eager=True)
+        group = init_weight_sync_group(engines)
+        with pytest.raises(StaleLayers, match=r"left 1 layer\(s\) .* \(model\.vision_model\.encoder\.layers\.0\.mlp"
+                                              r"\.fc1\.weight\)"):
+            sync({"model.vision_model.encoder.layers.0.mlp.fc1.weight"})
+        sent = sync(tower, tower_kept=True)
+        assert sent["weight_sync/tensors"] == len(list(model.parameters())) - len(tower)
+        with pytest.raises(StaleLayers, match=r"\(model\.text_model\.layers\.0\.mlp\.down_proj\)"):
+            sync(tower | {"model.text_model.layers.0.mlp.down_proj.weight"}, tower_kept=True)
+        shutdown_engines(engines)
+    finally:
+        ray.shutdown()
