@@ -29,6 +29,18 @@ import threading
 from common.vllm_engine import collect, start_generate
 
 
+def staleness_bound(args) -> int:
+    """--max_staleness, 1 when not given."""
+    return 1 if args.max_staleness is None else args.max_staleness
+
+
+def pool_capacity(args) -> int:
+    """The prompts under way at once: up to 1 + bound rollout steps' (AReaL's bound on the samples in flight). The
+    engines generate ahead for the steps a token sampled now may still be trained in, so that a step finds enough
+    prompts finished without waiting for the longest samples; with a bound of 0, one step's."""
+    return (1 + staleness_bound(args)) * args.rollout_batch_size
+
+
 def empty_sample() -> dict:
     """A sample with nothing generated yet; `versions[t]` is the policy version (PPO steps taken) that sampled
     token_ids[t], whose log-prob under that policy is logprobs[t]; finish_reason stays None until it ends."""
@@ -70,12 +82,8 @@ class PartialRollouts:
 
     def __init__(self, args, engines: list):
         self.args, self.engines = args, engines
-        self.bound = 1 if args.max_staleness is None else args.max_staleness
+        self.bound, self.capacity = staleness_bound(args), pool_capacity(args)
         self.chunk = args.partial_chunk_tokens or max(1, args.generate_max_len // 4)
-        # Prompts of up to 1 + bound rollout steps are under way at once (AReaL's bound on the samples in flight):
-        # the engines generate ahead for the steps a token sampled now may still be trained in, so that a step
-        # finds enough prompts finished without waiting for the longest samples; with a bound of 0, one step's.
-        self.capacity = (1 + self.bound) * args.rollout_batch_size
         self.pool: list[Group] = []
         self.thread, self.stop, self.error = None, threading.Event(), None
 
