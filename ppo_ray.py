@@ -19,8 +19,8 @@ the experts and the top-p support vLLM sampled with. docs/ppo.md lists every imp
     deepspeed ppo_ray.py ...        # the same: the launcher's rank 0 drives, its others exit; Ray starts workers
 
 Top to bottom: the flags; the PPO math; the experience; the update (ActorWorker.fit, CriticWorker.fit); train(), whose
-loop names the phases of a step; main(). The rollouts (prompts, sampling, dynamic sampling, async generation and the
-weight sync it needs) are common/rollout.py's Rollouts, which the loop calls.
+loop names the phases of a step; main(). The rollouts (prompts, sampling, dynamic sampling, async generation, partial
+rollouts and the weight sync they need) are common/rollout.py's Rollouts, which the loop calls.
 """
 
 import functools

@@ -13,7 +13,7 @@ reward that does not care for the length (the share of even digits and of every 
 Printed: seconds per step after the first, response tokens trained per second, the share of responses cut at the
 limit, and for the partial run the staleness histogram of the trained tokens.
 
-    .venv/bin/python bench/bench_partial_rollouts.py                 # 8 steps each (about 5 minutes on 2 cores)
+    .venv/bin/python bench/bench_partial_rollouts.py                 # 12 steps each (about 5 minutes on 2 cores)
     .venv/bin/python bench/bench_partial_rollouts.py --steps 4 --generate_max_len 256
 """
 
@@ -41,7 +41,7 @@ def reward_fn(prompts, responses, labels):
 class Args:
     out: str = "out/bench_partial_rollouts"
     """folder for the task, the policy and the three runs"""
-    steps: int = 8
+    steps: int = 12
     """PPO steps per run"""
     rollout_batch_size: int = 8
     """prompts per step"""
@@ -51,7 +51,7 @@ class Args:
     """the length limit the long responses run to"""
     long_share: float = 0.1
     """the share of responses that run to the limit"""
-    max_staleness: int = 1
+    max_staleness: int = 2
     """the partial run's --max_staleness"""
     seed: int = 0
     """seed of the task, the model and the runs"""
@@ -132,7 +132,7 @@ def main(args: Args):
         def mean(key):
             return statistics.mean(m.get(key, 0) for m in steady)
 
-        tokens_per_s = statistics.mean(m["response/length"] * size / m["time/step"] for m in steady)
+        tokens_per_s = sum(m["response/length"] * size for m in steady) / sum(m["time/step"] for m in steady)
         print(f"{name:>8} {mean('time/step'):>7.2f} {tokens_per_s:>9.0f} {mean('time/generate'):>9.2f} "
               f"{mean('time/train'):>7.2f} {mean('response/truncated'):>9.3f} {mean('response/length'):>7.1f}")
     steady = runs["partial"][1:]

@@ -297,7 +297,7 @@ def describe(args, groups: dict) -> str:
 def outside_the_gpus(args, groups: dict) -> list[str]:
     """What the plan leaves out on purpose, said where it is printed: the driver's process, which holds no GPU,
     serves --agent_fn's endpoint (a thread per request; processes the agents start are the user's), and
-    --partial_rollouts keeps more samples under way than one rollout, which the KV cache may not hold all at once."""
+    --partial_rollouts keeps max(1, --max_staleness) rollouts' samples under way, which the KV cache may not hold."""
     lines = []
     if args.agent_fn:
         lines.append("  driver (no GPU): --agent_fn's OpenAI-compatible endpoint, a thread per request holding the "

@@ -9,8 +9,9 @@ on as a new request whose prompt is the prompt and the tokens sampled so far (to
 weights the engines hold then. The old log-probs and the decoupled-PPO weights of ppo_ray.py's experience already
 work token by token against vLLM's log-probs, so a sample whose tokens come from two policies is corrected for each.
 
-The pool holds the prompts of up to 1 + --max_staleness rollout steps (rollout.Rollouts.fill_pool draws them, each
-step's with its own seeds), all generated at once. A step, after the weight sync that gives the engines its policy:
+The pool holds the prompts of up to max(1, --max_staleness) rollout steps (pool_capacity; Rollouts.fill_pool in
+common/rollout.py draws them, each step's with its own seeds), all generated at once. A step, after the weight sync
+that gives the engines its policy:
   1. empties every sample that holds a token sampled more than --max_staleness versions ago (partial/dropped), to be
      sampled again from its start;
   2. if fewer than --rollout_batch_size prompts have all their samples finished, finishes the oldest unfinished
@@ -35,10 +36,12 @@ def staleness_bound(args) -> int:
 
 
 def pool_capacity(args) -> int:
-    """The prompts under way at once: up to 1 + bound rollout steps' (AReaL's bound on the samples in flight). The
-    engines generate ahead for the steps a token sampled now may still be trained in, so that a step finds enough
-    prompts finished without waiting for the longest samples; with a bound of 0, one step's."""
-    return (1 + staleness_bound(args)) * args.rollout_batch_size
+    """The prompts under way at once: max(1, bound) rollout steps' worth, as many as a token sampled now may still
+    be trained in (AReaL bounds the samples in flight likewise). The engines then generate ahead for later steps, so
+    that a step finds enough prompts finished without waiting for the longest samples, while the prompts drawn last,
+    behind bound - 1 steps' worth, are still trained on within the bound if they finish at once. (A pool of
+    1 + bound steps' worth dropped a step's worth of finished prompts every other step at a bound of 1.)"""
+    return max(1, staleness_bound(args)) * args.rollout_batch_size
 
 
 def empty_sample() -> dict:
