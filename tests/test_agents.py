@@ -293,7 +293,7 @@ def test_ppo_ray_trains_on_an_openai_client_agents_episodes(tiny_model, task, tm
     assert os.path.exists(os.path.join(out, "config.json"))
 
 
-CALCULATOR_AGENT_FILE = '''
+AGENT_FILE = '''
 import json
 
 import openai
@@ -344,67 +344,3 @@ def run_agent(base_url, prompt, label):
     return float(label in answer.choices[0].message.content)
 '''
 
-
-
-# Qwen's calls and tool results without its system turn of tool definitions: the SFT rows, which carry no tools, then
-# render as the agent's requests do, and a call is the short fixed form SFT teaches.
-CALLS_ONLY_TEMPLATE = QWEN_TOOLS_TEMPLATE[QWEN_TOOLS_TEMPLATE.index("{%- for m in messages %}"):]
-
-
-def calculator_demonstrations(rng, count: int) -> list[dict]:
-    """Sums of two operands below 100, too many for the tiny model to learn by heart: 40% of the demonstrations call
-    the calculator with the question's sum and copy its result, the others guess a number near the sum."""
-    rows = []
-    for _ in range(count):
-        a, b = rng.randrange(100), rng.randrange(100)
-        messages = [{"role": "user", "content": f"What is {a}+{b}?"}]
-        if rng.random() < 0.4:
-            call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%d+%d"}}\n</tool_call>' % (a, b)
-            messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": str(a + b)},
-                         {"role": "assistant", "content": str(a + b)}]
-        else:
-            messages.append({"role": "assistant", "content": str(a + b + rng.choice([-10, -1, 1, 10]))})
-        rows.append({"messages": messages, "label": str(a + b)})
-    return rows
-
-
-@pytest.mark.slow
-@pytest.mark.learning
-@pytest.mark.extended
-def test_an_agent_learns_to_call_its_calculator(tmp_path):
-    """The tiny model, after SFT on demonstrations that call the calculator 40% of the time (and guess otherwise),
-    trained by GRPO through an OpenAI-client agent that runs its tool calls: the rollouts' reward (a right final
-    answer) rises, and so do the requests per episode (a call makes two)."""
-    import random
-
-    from common.tiny_model import write_tiny_model
-
-    rng = random.Random(0)
-    base = write_tiny_model(str(tmp_path / "tiny"), seed=0, chat_format="chatml")
-    tokenizer = build_tokenizer(chat_format="chatml")
-    tokenizer.chat_template = CALLS_ONLY_TEMPLATE
-    tokenizer.save_pretrained(base)
-    with open(tmp_path / "sft.jsonl", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in calculator_demonstrations(rng, 4000))
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": row["messages"][0]["content"], "label": row["label"]}) + "\n"
-                     for row in calculator_demonstrations(rng, 2000))
-    sft = str(tmp_path / "sft")
-    run_script("sft.py", ["--pretrain", base, "--dataset", str(tmp_path / "sft.jsonl"), "--input_key", "messages",
-                          "--apply_chat_template", "--max_len", "160", "--max_steps", "600", "--train_batch_size", "32",
-                          "--micro_train_batch_size", "16", "--learning_rate", "2e-3", "--warmup_ratio", "0.05",
-                          "--seed", "0", "--output_dir", sft])
-    agent = tmp_path / "agent.py"
-    agent.write_text(CALCULATOR_AGENT_FILE)
-    out = str(tmp_path / "grpo")
-    run_script("ppo_ray.py", [
-        "--pretrain", sft, "--prompt_data", str(tmp_path / "prompts.jsonl"), "--apply_chat_template",
-        "--output_dir", out, "--prompt_max_len", "64", "--generate_max_len", "160", "--agent_fn", f"{agent}:run_agent",
-        "--advantage_estimator", "grpo", "--n_samples_per_prompt", "8", "--rollout_batch_size", "16",
-        "--train_batch_size", "64", "--micro_train_batch_size", "32", "--actor_learning_rate", "3e-4",
-        "--max_steps", "10", "--seed", "0"])
-    log = [m for m in metrics(out) if "objective/scores" in m]
-    rewards, requests = [m["rewards/env"] for m in log], [m["env/turns"] for m in log]
-    print("reward per step", [round(r, 2) for r in rewards], "requests per episode", [round(r, 2) for r in requests])
-    assert sum(rewards[-3:]) / 3 - rewards[0] >= 0.2, rewards
-    assert sum(requests[-3:]) / 3 - requests[0] >= 0.2, requests
