@@ -14,7 +14,7 @@ Printed: seconds per step after the first, response tokens trained per second, t
 limit, and for the partial run the staleness histogram of the trained tokens.
 
     .venv/bin/python bench/bench_partial_rollouts.py                 # 12 steps each (about 5 minutes on 2 cores)
-    .venv/bin/python bench/bench_partial_rollouts.py --steps 4 --generate_max_len 256
+    .venv/bin/python bench/bench_partial_rollouts.py --steps 8 --max_staleness 4     # docs/ppo.md's rows
 """
 
 import json
