@@ -20,8 +20,8 @@ docs/ppo.md lists every implementation detail.
     deepspeed ppo_ray.py ...        # the same: the launcher's rank 0 drives, its others exit; Ray starts workers
 
 Top to bottom: the flags; the PPO math; the experience; the update (ActorWorker.fit, CriticWorker.fit); train(), whose
-loop names the phases of a step; main(). The rollouts (prompts, sampling, dynamic sampling, async generation and the
-weight sync it needs) are common/rollout.py's Rollouts, which the loop calls.
+loop names the phases of a step; main(). The rollouts (prompts, sampling, dynamic sampling, async generation, partial
+rollouts and the weight sync they need) are common/rollout.py's Rollouts, which the loop calls.
 """
 
 import functools
@@ -45,12 +45,13 @@ from common.data import (DataError, build_sft_samples, decode_response, load_pro
 from common.deepspeed_utils import load_tokenizer, trained_zero_stage
 from common.logging_utils import MetricsLogger, batch_means, mean_over_ranks, progress, timed
 from common.model_worker import ModelWorker, micro_rollout, split
+from common.partial_rollouts import logprob_diff_by_staleness
 from common.modeling import router_loss, token_logprobs
 from common.placement import connect, drives_the_run, place_roles, start_ray
 from common.ppo_checks import check_args, check_tokenizers
 from common.ppo_tricks import clip_range, uses_reference  # one predicate for this script and the memory plan
 from common.ray_workers import WorkerDied, gather, shard, use_gpus
-from common.rollout import Rollouts, agent_function, env_factory, generated_tokens, sync_weights
+from common.rollout import Rollouts, agent_function, env_factory, generated_tokens, policy_lags, sync_weights
 from common.vllm_engine import EngineDied, engine_dtype, engine_gap_line, shutdown_engines
 
 # The script's folder: on sys.path already when it runs, and given to every Ray worker through its runtime_env.
@@ -122,6 +123,12 @@ class Args:
     """--dynamic_sampling's sampling rounds per step at most; a batch still short is filled with dropped prompts"""
     async_rollouts: bool = False
     """generate the next step's responses while this step trains (one step of policy lag, decoupled PPO)"""
+    partial_rollouts: bool = False
+    """with --async_rollouts: a generation the step boundary cuts goes on under the new policy (partial rollouts)"""
+    max_staleness: int | None = None
+    """--partial_rollouts: no token sampled more than this many policy versions ago enters a loss (default 1)"""
+    partial_chunk_tokens: int | None = None
+    """--partial_rollouts: new tokens per engine call, the most a cut waits for (default: --generate_max_len / 4)"""
     vllm_is_correction: bool = False
     """correct each token's loss for the sampler/trainer mismatch pi_trainer / pi_vllm, as --vllm_is_kind says"""
     vllm_is_kind: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
@@ -316,7 +323,7 @@ def update_is_on_policy(args: Args) -> bool:
     pass, as TRL does at num_iterations 1."""
     one_step = args.max_epochs == 1 and args.rollout_batch_size * args.n_samples_per_prompt == args.train_batch_size
     kl_in_reward = uses_reference(args) and args.advantage_estimator not in KL_IN_LOSS
-    return one_step and not args.async_rollouts and not kl_in_reward
+    return one_step and not policy_lags(args) and not kl_in_reward
 
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "sapo")
@@ -564,7 +571,10 @@ def make_experience(args: Args, cluster, prompts: list[dict], samples: list[list
         token_kl = tricks.kl_penalty(old_logprobs, experience.get("ref_logprobs", old_logprobs), args.kl_estimator)
         metrics.update(old_logprob_metrics(args, old_logprobs, experience, mask))
         metrics.update(mean_over_ranks(actor.get(actor.call("take_route_mismatch"))))
-        if args.vllm_is_correction or args.async_rollouts:
+        if args.partial_rollouts:  # the gap of each policy version's tokens apart
+            metrics.update(logprob_diff_by_staleness([p["ids"] for p in prompts], samples, batch["vllm_logprobs"],
+                                                     old_logprobs, mask))
+        if args.vllm_is_correction or policy_lags(args):
             experience["is_weights"], correction = vllm_correction(args, old_logprobs, batch["vllm_logprobs"], mask)
             metrics.update(correction)
     advantages, returns = compute_advantages(args, scores, token_kl, values, mask, kl_coef)

@@ -40,6 +40,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from common import routing_replay
 from common.args import UserError, config_file
+from common.partial_rollouts import pool_capacity
 from common.ppo_tricks import uses_reference
 
 GiB = 2**30
@@ -319,7 +320,23 @@ def describe(args, groups: dict) -> str:
                      if "sequences" in need else "")
             cpu = f"; {need['cpu'] / GiB:.0f} GiB of CPU memory over its nodes" if need.get("cpu") else ""
             lines.append(f"    {role}: {gpu_bytes(need) / GiB:.1f} GiB ({parts}){extra}{cpu}")
-    return "\n".join(lines)
+    return "\n".join(lines + outside_the_gpus(args, groups))
+
+
+def outside_the_gpus(args, groups: dict) -> list[str]:
+    """What the plan leaves out on purpose, said where it is printed: the driver's process, which holds no GPU,
+    serves --agent_fn's endpoint (a thread per request; processes the agents start are the user's), and
+    --partial_rollouts keeps max(1, --max_staleness) rollouts' samples under way, which the KV cache may not hold."""
+    lines = []
+    if args.agent_fn:
+        lines.append("  driver (no GPU): --agent_fn's OpenAI-compatible endpoint, a thread per request holding the "
+                     "episodes' token ids; processes the agents start are outside this plan")
+    if args.partial_rollouts:
+        vllm = next(need for _, roles in groups.values() for role, need in roles.items() if role == "vLLM")
+        per_engine = pool_capacity(args) * args.n_samples_per_prompt / args.vllm_num_engines
+        lines.append(f"  --partial_rollouts: up to {per_engine:.0f} samples under way per engine, against KV cache "
+                     f"for {max(0, vllm['sequences']):.0f} of full length; vLLM queues those that do not fit")
+    return lines
 
 
 def check(args, groups: dict) -> None:

@@ -103,6 +103,7 @@ def check_args(args) -> None:
     for flag, why in ASYNC_CLASHES.items():
         if args.async_rollouts and getattr(args, flag):
             raise UserError(f"--async_rollouts cannot be used with --{flag}: {why}; leave out one of the two.")
+    check_partial_rollouts(args)
     floor, cap, (seq_low, seq_high) = vllm_is_band(args)
     if cap < 1:
         raise UserError(f"--vllm_is_cap {cap} would down-weight tokens both policies agree on; give a "
@@ -142,6 +143,27 @@ def check_args(args) -> None:
         check_model_path(args.teacher_pretrain, "--teacher_pretrain")
         check_causal_lm(args.teacher_pretrain, "--teacher_pretrain")
         check_lengths(args.teacher_pretrain, *sequence, "--teacher_pretrain")
+
+
+def check_partial_rollouts(args) -> None:
+    """--partial_rollouts and its knobs (common/partial_rollouts.py)."""
+    knobs = [f"--{name}" for name in ("max_staleness", "partial_chunk_tokens") if getattr(args, name) is not None]
+    if knobs and not args.partial_rollouts:
+        raise UserError(f"{knobs[0]} sets up --partial_rollouts; add --partial_rollouts, or leave out {knobs[0]}.")
+    if not args.partial_rollouts:
+        return
+    if not args.async_rollouts:
+        raise UserError("--partial_rollouts cuts the generation --async_rollouts runs during the update; add "
+                        "--async_rollouts.")
+    if args.max_staleness is not None and args.max_staleness < 0:
+        raise UserError(f"--max_staleness {args.max_staleness} leaves no policy to sample from; give 0 (only tokens "
+                        f"of the policy each step trains) or more (1 is the default).")
+    if args.partial_chunk_tokens is not None and args.partial_chunk_tokens < 1:
+        raise UserError(f"--partial_chunk_tokens {args.partial_chunk_tokens} generates nothing; give the new tokens "
+                        f"per engine call, 1 or more (default: a quarter of --generate_max_len).")
+    if args.routing_replay:
+        raise UserError("--routing_replay replays the experts vLLM routed a response to in one call, and "
+                        "--partial_rollouts samples a response over several; leave out one of the two.")
 
 
 def per_token_advantages(args) -> str | None:

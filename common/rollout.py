@@ -1,6 +1,7 @@
 """The rollout side of ppo_ray.py's loop, one object the loop calls: which prompts a step asks, vLLM's responses to
 them (one turn, or multi-turn episodes), seeded per prompt; DAPO's dynamic sampling; --async_rollouts' generation one
-step ahead; and the weight sync that keeps the engines on the policy each generation needs.
+step ahead, cut at the step boundary with --partial_rollouts (common/partial_rollouts.py); and the weight sync that
+keeps the engines on the policy each generation needs.
 
 train() asks `Rollouts.next(step)` for a step's samples and `Rollouts.sync(step)` for the new policy in the engines:
 whether the samples were drawn now or during the last update, and when the engines take which weights, is decided
@@ -17,6 +18,7 @@ from common import multi_turn, rewards
 from common import ppo_tricks as tricks
 from common.agents import AgentEndpoint, agent_function
 from common.logging_utils import timed
+from common.partial_rollouts import PartialRollouts
 from common.vllm_engine import collect, generate, start_generate, wait_for
 from common.vlm import engine_prompts
 
@@ -53,6 +55,12 @@ def generated_tokens(samples: list[list[dict]]) -> int:
     return sum(sum(s["env_mask"]) if "env_mask" in s else len(s["token_ids"]) for group in samples for s in group)
 
 
+def policy_lags(args) -> bool:
+    """Whether a step may train on tokens an older policy sampled: with --async_rollouts, unless --partial_rollouts
+    drops every token older than the policy it trains (--max_staleness 0)."""
+    return args.async_rollouts and not (args.partial_rollouts and args.max_staleness == 0)
+
+
 def sync_weights(cluster, everything_quantized: bool = False) -> dict:
     """The actor's weights to the vLLM engines (common/weight_sync.py); returns its bytes and vLLM's load time."""
     cluster.sleep.before_sync()
@@ -71,7 +79,9 @@ class Rollouts:
         self.args, self.cluster, self.prompts, self.tokenizer, self.score = args, cluster, prompts, tokenizer, score
         self.engines_at = start_step  # the engines hold the policy after this many steps
         self.synced = {}  # the last sync's metrics, reported with the step that made it
-        self.ahead = self.start(start_step) if args.async_rollouts else None
+        self.partial = PartialRollouts(args, cluster.engines) if args.partial_rollouts else None
+        self.draws = start_step  # --partial_rollouts: the rollout steps whose prompts joined its pool so far
+        self.ahead = self.start(start_step) if args.async_rollouts and not self.partial else None
         self.agents = (AgentEndpoint(tokenizer, args.generate_max_len, args.prompt_max_len, args.agent_timeout)
                        if args.agent_fn else None)  # --agent_fn's OpenAI-compatible endpoint (common/agents.py)
 
@@ -79,6 +89,8 @@ class Rollouts:
         """This step's prompts, vLLM's responses to them, and with --dynamic_sampling their scores and metrics.
         With --async_rollouts they were sampled during the last update; the idle engines then take this step's
         policy (one step of lag) and start on the next step's prompts."""
+        if self.partial:
+            return self.take_partial(step, timings)
         with timed(timings, "time/generate"):
             if not self.args.async_rollouts:
                 return self.sample(step)
@@ -87,6 +99,34 @@ class Rollouts:
             self.synced = self.sync_to(step)
         self.ahead = self.start(step + 1) if step + 1 < self.args.max_steps else None
         return picked, samples, None
+
+    def take_partial(self, step: int, timings: dict) -> tuple[list[dict], list[list[dict]], None]:
+        """--partial_rollouts' next(): the generation ahead stops after its chunk, the engines take this step's
+        policy, the step takes its samples from the pool (common/partial_rollouts.py), and the engines go on with
+        the rest of the pool meanwhile. The first step samples its prompts here, as the synchronous loop does."""
+        with timed(timings, "time/generate"):
+            self.partial.pause()  # the wait for the chunk under way
+        waited = timings["time/generate"]
+        with timed(timings, "time/weight_sync"):
+            self.synced = self.sync_to(step)
+        self.fill_pool()
+        with timed(timings, "time/generate"):
+            picked, samples, metrics = self.partial.take(step, self.args.rollout_batch_size)
+        timings["time/generate"] += waited
+        self.synced.update(metrics)
+        if step + 1 < self.args.max_steps:
+            self.fill_pool()
+            self.partial.run_ahead(self.engines_at)
+        return picked, samples, None
+
+    def fill_pool(self) -> None:
+        """Rollout steps' prompts join --partial_rollouts' pool, a step's at a time with that step's seeds, while it
+        has room for them (partial_rollouts.PartialRollouts.capacity)."""
+        size = self.args.rollout_batch_size
+        while len(self.partial.pool) + size <= self.partial.capacity:
+            self.partial.add(step_prompts(self.args, self.prompts, self.draws),
+                             sample_seeds(self.args, self.draws, "", size))
+            self.draws += 1
 
     def sync(self, step: int, timings: dict) -> dict:
         """After step `step`'s update: the new policy to the engines (with --async_rollouts that waits for the next
@@ -98,7 +138,10 @@ class Rollouts:
         return synced
 
     def sync_to(self, to_step: int) -> dict:
-        """sync_weights, once a generation under way has finished, unless the engines have `to_step`'s policy."""
+        """sync_weights, once a generation under way has finished (--partial_rollouts: paused), unless the engines
+        have `to_step`'s policy."""
+        if self.partial:
+            self.partial.pause()
         if self.engines_at == to_step:
             return {}
         if self.ahead:

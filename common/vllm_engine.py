@@ -171,7 +171,8 @@ class VLLMEngine:
         and the Ray GPU ids of its bundle (placement reports)."""
         return self.llm.collective_rpc(_worker_placement)
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+    def generate(self, prompt_token_ids: list[list[int]], n: int | list[int] = 1, temperature: float = 1.0,
+                 top_p: float = 1.0,
                  max_tokens: int | list[int] = 16, logprobs: bool = True, seeds: list[int] | None = None,
                  images: list[list] | None = None, **sampling_kwargs) -> list[list[dict]]:
         """Sample `n` continuations of every prompt; result[i][j] is sample j of prompt i.
@@ -179,9 +180,9 @@ class VLLMEngine:
         Each sample is {"token_ids": list[int], "logprobs": list[float] | None, "finish_reason": str, and on a
         mixture of experts "routes": the experts each fed token went to, common/routing_replay.py}, where
         logprobs[t] is the log-probability of token_ids[t] (vLLM's `logprobs_mode`, raw log-softmax by default, i.e.
-        before temperature and top_p). `max_tokens` may be one limit per prompt. `seeds`, one per prompt, gives each
-        prompt a random stream of its own (sample j draws from seeds[i] + j, vLLM's rule for n > 1): its samples then
-        depend on the weights and that seed, not on what the engine generated before. Extra keyword arguments go to
+        before temperature and top_p). `n` and `max_tokens` may each be one per prompt. `seeds`, one per prompt, gives
+        each prompt a random stream of its own (sample j draws from seeds[i] + j, vLLM's rule for n > 1): its samples
+        then depend on the weights and that seed, not on what the engine generated before. Extra keyword arguments go to
         `vllm.SamplingParams` (top_k, stop_token_ids, ...). With create_vllm_engines' `stop_at_end_of_turn` a
         sample also ends at the chat template's end-of-turn token, which it keeps as its last token, as the EOS.
         `images`, one list of PIL images per prompt, go to a vision-language model as `multi_modal_data`; their
@@ -200,15 +201,17 @@ class VLLMEngine:
         if self.banned_token_ids:
             sampling_kwargs.setdefault("logit_bias", dict.fromkeys(self.banned_token_ids, -100.0))
 
-        def params_for(limit: int, seed: int | None):
-            return vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit, seed=seed,
+        def params_for(limit: int, seed: int | None, samples: int):
+            return vllm.SamplingParams(n=samples, temperature=temperature, top_p=top_p, max_tokens=limit, seed=seed,
                                        logprobs=0 if logprobs else None, **sampling_kwargs)  # 0: the sampled token
 
-        if isinstance(max_tokens, list) or seeds is not None:
-            limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_token_ids)
-            params = [params_for(m, s) for m, s in zip(limits, seeds or [None] * len(limits))]
+        if isinstance(max_tokens, list) or isinstance(n, list) or seeds is not None:
+            def per_prompt(value):
+                return value if isinstance(value, list) else [value] * len(prompt_token_ids)
+
+            params = [params_for(*each) for each in zip(per_prompt(max_tokens), per_prompt(seeds), per_prompt(n))]
         else:
-            params = params_for(max_tokens, None)
+            params = params_for(max_tokens, None, n)
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
         for prompt, prompt_images in zip(prompts, images or []):
             if prompt_images:
@@ -509,14 +512,14 @@ class EngineHung(EngineDied):
     one."""
 
 
-def generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+def generate(engines: list, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float,
              max_tokens: int | list[int], seeds: list[int] | None = None,
              images: list[list] | None = None) -> list[list[dict]]:
     """VLLMEngine.generate over all engines, the prompts dealt out in turn; raises EngineDied if one is gone."""
     return collect(engines, start_generate(engines, prompt_ids, n, temperature, top_p, max_tokens, seeds, images))
 
 
-def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+def start_generate(engines: list, prompt_ids: list[list[int]], n: int | list[int], temperature: float, top_p: float,
                    max_tokens: int | list[int], seeds: list[int] | None = None,
                    images: list[list] | None = None) -> list:
     """generate() without waiting: the engines' pending results, for `collect`. The engines sample with the
@@ -526,7 +529,7 @@ def start_generate(engines: list, prompt_ids: list[list[int]], n: int, temperatu
     def dealt(values, i):
         return values[i:: len(engines)] if isinstance(values, list) else values
 
-    return [e.generate.remote(dealt(prompt_ids, i), n=n, temperature=temperature, top_p=top_p,
+    return [e.generate.remote(dealt(prompt_ids, i), n=dealt(n, i), temperature=temperature, top_p=top_p,
                               max_tokens=dealt(max_tokens, i), seeds=dealt(seeds, i), images=dealt(images, i))
             for i, e in enumerate(engines)]
 

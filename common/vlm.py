@@ -478,6 +478,8 @@ def check_ppo_args(args) -> bool:
                                       "alone, leave out --reward_pretrain"),
                (args.teacher_pretrain, "takes no --teacher_pretrain here (a teacher would read the text alone)"),
                (args.env_fn or args.agent_fn, "takes single-turn prompts here: leave out --env_fn and --agent_fn"),
+               (args.partial_rollouts, "samples each prompt whole, with its images, here: leave out "
+                                       "--partial_rollouts"),
                (args.ptx_data, "takes no --ptx_data here (its pretraining rows hold no images)"),
                (args.lora_rank, "is trained whole here: LoRA on its language model is not built yet, leave out "
                                 "--lora_rank"),

@@ -256,6 +256,25 @@ def test_a_rule_served_as_a_remote_reward_model_gives_the_same_run(grpo_run, rem
 
 @pytest.mark.slow
 @pytest.mark.extended
+def test_partial_rollouts_at_staleness_0_are_the_synchronous_run(grpo_run, sft_model, task, tmp_path):
+    """--partial_rollouts --max_staleness 0: the engines generate step 2's prompts ahead during step 1's update,
+    under step 1's policy, and all of it is dropped at the boundary (partial/dropped); step 2 then samples its
+    prompts anew under its own policy, with the synchronous loop's seeds in the synchronous loop's one call, and
+    updates on-policy as the synchronous loop does. Every metric of both steps and the saved actor, bit for bit."""
+    _, out = grpo_run
+    partial = str(tmp_path / "partial")
+    run(sft_model, task, partial, *GRPO, "--async_rollouts", "--partial_rollouts", "--max_staleness", "0")
+    rows = logged(partial)
+    assert rows[2]["partial/dropped"] > 0 and all(row["partial/staleness_0"] == 1 for row in rows.values()), rows
+    own = tuple({key for row in rows.values() for key in row if key.startswith("partial/")})
+    # (the synchronous run syncs after step 1 and logs it there; the partial one at step 2's start)
+    assert metric_difference(out, partial, ignore=own + ("weight_sync/bytes",)) == 0
+    assert weight_difference(out, partial) == 0
+    assert_moved(partial, sft_model, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
 def test_async_rollouts_agree_with_the_synchronous_loop_on_the_first_step(grpo_run, sft_model, task, tmp_path):
     """--async_rollouts samples step 1 from the weights the synchronous loop samples it from, and updates on that
     experience as the synchronous loop does (the old log-probs from the experience pass instead of the update's

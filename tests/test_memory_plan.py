@@ -381,3 +381,20 @@ def test_the_plan_counts_a_teacher_where_it_is_placed(colocate):
     groups = memory_plan.plan(args)
     assert set(groups) - set(without) == (set() if colocate else {"teacher"})
     assert "teacher" in groups["actor" if colocate else "teacher"][1]
+
+
+def test_the_printed_plan_says_what_lies_outside_the_gpus():
+    """--agent_fn's endpoint serves from the driver, outside the plan; --partial_rollouts keeps --max_staleness
+    steps' samples under way, which the printed plan sets against the KV cache's room."""
+    name, _, flags = next(r for r in RECIPES if "8gpu" in r[0])
+    plain = recipe_args(name, flags)
+    assert "driver" not in memory_plan.describe(plain, memory_plan.plan(plain))
+    agents = recipe_args(name, flags, agent_fn="agent.py:run_agent")
+    assert "driver (no GPU): --agent_fn's OpenAI-compatible endpoint" in memory_plan.describe(
+        agents, memory_plan.plan(agents))
+    partial = recipe_args(name, flags, async_rollouts=True, partial_rollouts=True, max_staleness=2)
+    groups = memory_plan.plan(partial)
+    per_engine = 2 * partial.rollout_batch_size * partial.n_samples_per_prompt / partial.vllm_num_engines
+    room = groups["vLLM"][1]["vLLM"]["sequences"]
+    assert (f"--partial_rollouts: up to {per_engine:.0f} samples under way per engine, against KV cache for "
+            f"{room:.0f} of full length") in memory_plan.describe(partial, groups)

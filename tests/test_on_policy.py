@@ -31,6 +31,9 @@ def grpo_args(**overrides) -> ppo_ray.Args:
     ({"train_batch_size": 4}, False),  # two optimizer steps: the second one's old log-probs are not its own
     ({"max_epochs": 2}, False),
     ({"async_rollouts": True}, False),  # sampled by the policy one update old
+    ({"async_rollouts": True, "partial_rollouts": True}, False),  # some tokens are one version old (the default)
+    ({"async_rollouts": True, "partial_rollouts": True, "max_staleness": 2}, False),
+    ({"async_rollouts": True, "partial_rollouts": True, "max_staleness": 0}, True),  # every older token dropped
 ])
 def test_when_the_update_is_on_policy(overrides, on_policy):
     assert ppo_ray.update_is_on_policy(grpo_args(**overrides)) is on_policy

@@ -646,6 +646,14 @@ def test_rollout_corrections_worked_by_hand():
      "--agent_timeout 0.0 gives an agent no time"),
     ({"agent_fn": "a.py:run_agent", "reward_fn": None, "apply_chat_template": True, "async_rollouts": True},
      "--async_rollouts cannot be used with --agent_fn"),
+    ({"max_staleness": 2}, "--max_staleness sets up --partial_rollouts; add --partial_rollouts, or leave out"),
+    ({"partial_chunk_tokens": 8}, "--partial_chunk_tokens sets up --partial_rollouts"),
+    ({"partial_rollouts": True}, "--partial_rollouts cuts the generation --async_rollouts runs during the update"),
+    ({"partial_rollouts": True, "async_rollouts": True, "max_staleness": -1}, "--max_staleness -1 leaves no policy"),
+    ({"partial_rollouts": True, "async_rollouts": True, "partial_chunk_tokens": 0},
+     "--partial_chunk_tokens 0 generates nothing"),
+    ({"partial_rollouts": True, "async_rollouts": True, "routing_replay": True},
+     "--partial_rollouts samples a response over several; leave out one of the two."),
 ])
 def test_new_loss_flags_that_cannot_work_are_refused(flags, words):
     with pytest.raises(UserError, match=re.escape(words)):

@@ -4,10 +4,12 @@ that cannot apply refused, and GRPO runs whose vllm/logprob_diff stays at float 
 with the vision tower trained (and synced) or frozen (and left out of the sync); a sync that leaves a trained vision
 layer out stops."""
 
+import dataclasses
 import json
 import os
 from types import SimpleNamespace
 
+import ppo_ray
 import pytest
 import torch
 from conftest import SEED, run_script
@@ -35,13 +37,12 @@ def image_task(tmp_path_factory) -> dict:
     return write_image_task(str(tmp_path_factory.mktemp("image_task")), seed=SEED, num_train=16, num_eval=4)
 
 
-def ppo_args(pretrain: str, **flags) -> SimpleNamespace:
-    """The ppo_ray.py flags load_prompts and check_ppo_args read, at their defaults but for a critic-free estimator."""
-    defaults = dict(pretrain=pretrain, apply_chat_template=True, input_template=None, input_key="prompt",
-                    label_key="label", prompt_max_len=64, reward_fn="r.py:f", remote_rm_url=None, env_fn=None,
-                    agent_fn=None, advantage_estimator="grpo", critic_pretrain=None, reward_pretrain=None,
-                    teacher_pretrain=None, ptx_data=None, lora_rank=0, packing_samples=False)
-    return SimpleNamespace(**{**defaults, **flags})
+def ppo_args(pretrain: str, **flags) -> ppo_ray.Args:
+    """ppo_ray.py's flags at their defaults (every flag a check may read) but for a chat template, a reward function
+    and a critic-free estimator."""
+    defaults = dict(pretrain=pretrain, apply_chat_template=True, prompt_max_len=64, reward_fn="r.py:f",
+                    advantage_estimator="grpo")
+    return dataclasses.replace(ppo_ray.Args(), **{**defaults, **flags})
 
 
 def test_image_prompts_give_vllm_placeholders_and_the_trainer_the_processors_expansion(tiny_vlm, image_task):
@@ -102,6 +103,7 @@ def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
     ({"teacher_pretrain": "t"}, "--teacher_pretrain"),
     ({"env_fn": "e.py:f", "reward_fn": None}, "leave out --env_fn and --agent_fn"),
     ({"ptx_data": "p.jsonl"}, "--ptx_data"),
+    ({"async_rollouts": True, "partial_rollouts": True}, "leave out --partial_rollouts"),
     ({"lora_rank": 8}, "leave out --lora_rank"),
     ({"packing_samples": True}, "leave out --packing_samples"),
 ])
