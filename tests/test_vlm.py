@@ -180,9 +180,10 @@ def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(t
         pretrain, apply_chat_template, pretrain_mode, lora_rank, packing_samples = tiny_vlm, True, False, 0, False
 
     assert vlm.check_trainer_args(Args)
-    for flag, value in (("apply_chat_template", False), ("pretrain_mode", True), ("lora_rank", 8),
-                        ("packing_samples", True)):
-        wrong = type("Wrong", (Args,), {flag: value})
+    assert vlm.check_trainer_args(type("LoRA", (Args,), {"lora_rank": 8}))  # adapters on the language model alone
+    for wrong in ({"apply_chat_template": False}, {"pretrain_mode": True}, {"packing_samples": True},
+                  {"lora_rank": 8, "freeze_vision_tower": False}):
+        wrong = type("Wrong", (Args,), wrong)
         with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
             vlm.check_trainer_args(wrong)
 
@@ -248,6 +249,42 @@ def test_freeze_vision_tower_leaves_the_connector_and_the_language_model_trained
     assert frozen == sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.vision_model."))
     trained = {n.split(".")[1] for n, p in model.named_parameters() if p.requires_grad and n.startswith("model.")}
     assert trained == {"connector", "text_model"}
+
+
+def test_lora_adapts_the_language_model_alone_and_merges_into_a_plain_vlm(tiny_vlm):
+    """--lora_rank on a VLM at the default all-linear: adapters on the language model's linear layers only (the
+    tower and the connector untouched, though all-linear matches theirs), and the merged weights load as the plain
+    transformers model the adapted one computes as."""
+    from peft.tuners.lora import LoraLayer
+
+    from common import lora
+
+    class Args:  # sft.py's LoRA flags at their defaults, with a rank
+        lora_rank, lora_alpha, lora_dropout, target_modules = 4, 8, 0.0, "all-linear"
+
+    plain = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    linear = {name for name, m in plain.named_modules() if isinstance(m, torch.nn.Linear)}
+    model = lora.wrap(AutoModelForImageTextToText.from_pretrained(tiny_vlm), Args)
+    adapted = {name.removeprefix(lora.PEFT_PREFIX) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted == {name for name in linear if name.startswith("model.text_model.")} and len(adapted) == 14
+    assert any(name.startswith(("model.vision_model.", "model.connector.")) for name in linear)
+    trained = {name.removeprefix(lora.PEFT_PREFIX) for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(name.startswith("model.text_model.") and ".lora_" in name for name in trained)
+
+    torch.manual_seed(SEED)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:  # B starts at 0: give the adapters something to merge
+            p.data.normal_(std=0.1)
+    plain.load_state_dict(lora.merged_state_dict(model.state_dict(), model))
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    prompt = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
+    with torch.no_grad():
+        adapted_logits, plain_logits = model(**inputs).logits, plain(**inputs).logits
+        with lora.reference(model):
+            base_logits = model(**inputs).logits
+    assert (adapted_logits - plain_logits).abs().max() < 1e-5
+    assert (adapted_logits - base_logits).abs().max() > 1e-3
 
 
 VLLM_LOGPROBS = """
@@ -387,5 +424,21 @@ def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, t
                           "--train_batch_size", "4", "--micro_train_batch_size", "4", "--max_steps", "2",
                           "--learning_rate", "1e-2", "--max_len", "64"])
     assert changed_parts(tiny_vlm, out) == {"model.connector", "model.text_model", "lm_head.weight"}
+    AutoModelForImageTextToText.from_pretrained(out)
+    assert AutoProcessor.from_pretrained(out).image_token == "<image>"
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_vlm, image_dataset, tmp_path):
+    """sft.py, then dpo.py (its reference the policy with its adapters off), with --lora_rank on a VLM: only the
+    language model's weights move, and each folder loads as a plain transformers VLM with its processor."""
+    sft_out, out = str(tmp_path / "sft"), str(tmp_path / "dpo")
+    flags = ["--dataset", image_dataset, "--apply_chat_template", "--train_batch_size", "2",
+             "--micro_train_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-2", "--lora_rank", "4"]
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--output_dir", sft_out, *flags])
+    assert changed_parts(tiny_vlm, sft_out) == {"model.text_model"}
+    run_script("dpo.py", ["--pretrain", sft_out, "--output_dir", out, *flags])
+    assert changed_parts(sft_out, out) == {"model.text_model"}
     AutoModelForImageTextToText.from_pretrained(out)
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
