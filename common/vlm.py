@@ -356,9 +356,7 @@ def check_trainer_args(args) -> bool:
                (getattr(args, "pretrain_mode", False), "takes no --pretrain_mode (its rows are chat messages)"),
                (getattr(args, "lora_rank", 0) and not getattr(args, "freeze_vision_tower", True),
                 "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "
-                "--freeze_vision_tower false, or --lora_rank to train the tower"),
-               (getattr(args, "packing_samples", False), "is trained on padded batches here: leave out "
-                                                          "--packing_samples")]
+                "--freeze_vision_tower false, or --lora_rank to train the tower")]
     for wrong, what in refused:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")

@@ -89,6 +89,32 @@ def test_image_rows_tokenize_as_the_processor_does_and_train_on_the_response_onl
     assert batch["pixel_values"][0, 1].abs().sum() == 0  # the first sample's second image is padding
 
 
+def test_a_packed_row_scores_each_sample_with_its_own_images_as_a_padded_batch_does(tiny_vlm, image_dataset):
+    """--packing_samples on a VLM: whole samples (their image tokens never cut) in one row, the row's images in
+    their samples' order; each sample's log-probs equal the padded batch's, which holds one sample a row."""
+    from common.modeling import next_token_logprobs
+
+    processor = vlm.load_processor(tiny_vlm)
+    samples = vlm.build_vlm_sft_samples(data.load_records(image_dataset), processor, image_dataset, "prompt",
+                                        "response", max_len=128)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    padded = data.pad_collate(samples, processor.tokenizer.pad_token_id) | vlm.image_inputs(processor, samples, False)
+    packed = data.pack_collate(samples) | vlm.image_inputs(processor, samples, packing=True)
+    assert packed["pixel_values"].shape[:2] == (1, 4)  # (one row, every sample's images)
+    with torch.no_grad():
+        padded_logprobs = next_token_logprobs(model, padded["input_ids"], padded["attention_mask"], None,
+                                              pixel_values=padded["pixel_values"],
+                                              pixel_attention_mask=padded["pixel_attention_mask"])
+        packed_logprobs = next_token_logprobs(model, packed["input_ids"], None, packed["position_ids"],
+                                              pixel_values=packed["pixel_values"],
+                                              pixel_attention_mask=packed["pixel_attention_mask"])[0]
+    offset = 0
+    for i, sample in enumerate(samples):
+        length = len(sample["input_ids"])
+        assert (packed_logprobs[offset: offset + length - 1] - padded_logprobs[i, :length - 1]).abs().max() < 1e-5
+        offset += length
+
+
 def test_preference_pairs_share_the_prompt_and_its_images_and_train_on_each_response(tiny_vlm, image_dataset):
     processor = vlm.load_processor(tiny_vlm)
     rows = data.load_records(image_dataset)
@@ -180,8 +206,9 @@ def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(t
         pretrain, apply_chat_template, pretrain_mode, lora_rank, packing_samples = tiny_vlm, True, False, 0, False
 
     assert vlm.check_trainer_args(Args)
-    assert vlm.check_trainer_args(type("LoRA", (Args,), {"lora_rank": 8}))  # adapters on the language model alone
-    for wrong in ({"apply_chat_template": False}, {"pretrain_mode": True}, {"packing_samples": True},
+    for taken in ({"lora_rank": 8}, {"packing_samples": True}):  # LoRA on the language model alone; whole samples
+        assert vlm.check_trainer_args(type("Taken", (Args,), taken))
+    for wrong in ({"apply_chat_template": False}, {"pretrain_mode": True},
                   {"lora_rank": 8, "freeze_vision_tower": False}):
         wrong = type("Wrong", (Args,), wrong)
         with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
@@ -431,11 +458,13 @@ def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, t
 @pytest.mark.slow
 @pytest.mark.extended
 def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_vlm, image_dataset, tmp_path):
-    """sft.py, then dpo.py (its reference the policy with its adapters off), with --lora_rank on a VLM: only the
-    language model's weights move, and each folder loads as a plain transformers VLM with its processor."""
+    """sft.py, then dpo.py (its reference the policy with its adapters off), with --lora_rank on a VLM and its
+    samples packed: only the language model's weights move, and each folder loads as a plain transformers VLM with
+    its processor."""
     sft_out, out = str(tmp_path / "sft"), str(tmp_path / "dpo")
     flags = ["--dataset", image_dataset, "--apply_chat_template", "--train_batch_size", "2",
-             "--micro_train_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-2", "--lora_rank", "4"]
+             "--micro_train_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-2", "--lora_rank", "4",
+             "--packing_samples"]
     run_script("sft.py", ["--pretrain", tiny_vlm, "--output_dir", sft_out, *flags])
     assert changed_parts(tiny_vlm, sft_out) == {"model.text_model"}
     run_script("dpo.py", ["--pretrain", sft_out, "--output_dir", out, *flags])
