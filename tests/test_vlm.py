@@ -438,9 +438,13 @@ def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, tmp_path):
+@pytest.mark.parametrize("flags, changed", [
+    ([], {"model.connector", "model.text_model", "lm_head.weight"}),
+    (["--lora_rank", "4", "--packing_samples"], {"model.text_model"})], ids=["whole", "lora_packed"])
+def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, tmp_path, flags, changed):
     """kto.py on image feedback with the vision tower frozen (the default): the connector and the language model
-    move, the tower does not, and the folder loads as a plain transformers VLM."""
+    move (with --lora_rank the language model alone), the tower does not, and the folder loads as a plain
+    transformers VLM."""
     (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
     (tmp_path / "blue.png").write_bytes(png_bytes((56, 56), (0, 0, 255)))
     rows = [dict(image_row([colour + ".png"], response=answer), label=good)
@@ -449,8 +453,8 @@ def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, t
     out = str(tmp_path / "kto")
     run_script("kto.py", ["--pretrain", tiny_vlm, "--dataset", source, "--apply_chat_template", "--output_dir", out,
                           "--train_batch_size", "4", "--micro_train_batch_size", "4", "--max_steps", "2",
-                          "--learning_rate", "1e-2", "--max_len", "64"])
-    assert changed_parts(tiny_vlm, out) == {"model.connector", "model.text_model", "lm_head.weight"}
+                          "--learning_rate", "1e-2", "--max_len", "64", *flags])
+    assert changed_parts(tiny_vlm, out) == changed
     AutoModelForImageTextToText.from_pretrained(out)
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
 
