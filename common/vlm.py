@@ -495,8 +495,9 @@ def check_ppo_args(args) -> bool:
                (args.teacher_pretrain, "takes no --teacher_pretrain here (a teacher would read the text alone)"),
                (args.env_fn or args.agent_fn, "takes single-turn prompts here: leave out --env_fn and --agent_fn"),
                (args.ptx_data, "takes no --ptx_data here (its pretraining rows hold no images)"),
-               (args.lora_rank, "is trained whole in ppo_ray.py: the weight sync of its merged adapters is not "
-                                "built yet (sft.py and dpo.py take --lora_rank), leave out --lora_rank"),
+               (args.lora_rank and not getattr(args, "freeze_vision_tower", True),
+                "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "
+                "--freeze_vision_tower false, or --lora_rank to train the tower"),
                (args.packing_samples, "is trained on padded batches here: leave out --packing_samples")]
     for wrong, what in refused:
         if wrong:
