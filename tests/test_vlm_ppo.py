@@ -174,6 +174,7 @@ def test_grpo_with_lora_syncs_the_merged_language_model_and_vllm_follows_the_tra
     out = str(tmp_path / "ppo")
     rows = grpo(tiny_vlm, image_task, out, "--lora_rank", "4", "--lora_alpha", "8")
     diffs = [row["vllm/logprob_diff"] for row in rows]
+    print(f"vllm/logprob_diff {diffs}, weight_sync/bytes {[row['weight_sync/bytes'] for row in rows]}")
     assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer after a sync: {diffs}"
     weights = load_file(os.path.join(tiny_vlm, "model.safetensors"))
     linear = sum(t.numel() * t.element_size() for name, t in weights.items()
