@@ -473,5 +473,6 @@ def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_v
     assert changed_parts(tiny_vlm, sft_out) == {"model.text_model"}
     run_script("dpo.py", ["--pretrain", sft_out, "--output_dir", out, *flags])
     assert changed_parts(sft_out, out) == {"model.text_model"}
+    assert os.path.exists(os.path.join(out, "adapter", "adapter_config.json"))  # the adapter alone, beside it
     AutoModelForImageTextToText.from_pretrained(out)
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
