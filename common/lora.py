@@ -99,8 +99,9 @@ def wrap(model, args, task_type: str = "CAUSAL_LM"):
     except ValueError as e:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear) and name not in outside})
+        where = " (LoRA adapts a vision-language model's language model alone)" if outside else ""
         raise UserError(f"--target_modules {args.target_modules}: {str(e).splitlines()[0]} Give 'all-linear' or "
-                        f"some of this model's linear layers: {','.join(linear)}.") from None
+                        f"some of this model's linear layers{where}: {','.join(linear)}.") from None
     from peft.tuners.lora import LoraLayer
 
     other = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()

@@ -295,6 +295,9 @@ def test_lora_adapts_the_language_model_alone_and_merges_into_a_plain_vlm(tiny_v
     adapted = {name.removeprefix(lora.PEFT_PREFIX) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     assert adapted == {name for name in linear if name.startswith("model.text_model.")} and len(adapted) == 14
     assert any(name.startswith(("model.vision_model.", "model.connector.")) for name in linear)
+    tower_only = type("TowerOnly", (Args,), {"target_modules": "fc1"})  # a linear layer of the vision tower alone
+    with pytest.raises(lora.UserError, match=r"language model alone\): down_proj,gate_proj,k_proj,lm_head,o_proj,"):
+        lora.wrap(AutoModelForImageTextToText.from_pretrained(tiny_vlm), tower_only)
     trained = {name.removeprefix(lora.PEFT_PREFIX) for name, p in model.named_parameters() if p.requires_grad}
     assert trained and all(name.startswith("model.text_model.") and ".lora_" in name for name in trained)
 
