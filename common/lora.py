@@ -8,7 +8,8 @@ and only A and B (and the scalar head of a reward model or critic) get gradients
 What the scripts use:
   - `check_args(args)` refuses, in one sentence and before anything loads, the flag combinations that cannot work;
   - `load_kwargs(args)` and `wrap(model, args, task_type)` load the base model (4-bit with --load_in_4bit) and put
-    the adapters on it; with --lora_rank 0 the model is returned as it is;
+    the adapters on it (a vision-language model's on its language model alone); with --lora_rank 0 the model is
+    returned as it is;
   - `reference(model)` switches the adapters off inside a `with` block: the frozen reference of DPO, KTO and PPO is
     the base model itself, not a second copy of the weights;
   - `merged_state_dict` folds W + (alpha / r) B A back under the base model's own names: the saved model loads with
@@ -84,9 +85,12 @@ def wrap(model, args, task_type: str = "CAUSAL_LM"):
 
     targets = args.target_modules if args.target_modules == "all-linear" else [
         name.strip() for name in args.target_modules.split(",") if name.strip()]
+    from common.vlm import outside_language_model
+
+    outside = outside_language_model(model)  # a vision-language model's tower and connector: no adapters there
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules=targets, task_type=task_type,
-                        exclude_modules=["score", "classifier"] if task_type == "SEQ_CLS" else None)
+                        exclude_modules=(["score", "classifier"] if task_type == "SEQ_CLS" else []) + outside or None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     head_name = next((name for name, m in model.named_modules() if m is head), None) if tied else None
@@ -94,9 +98,10 @@ def wrap(model, args, task_type: str = "CAUSAL_LM"):
         model = get_peft_model(model, config)
     except ValueError as e:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear)})
+                         if isinstance(m, torch.nn.Linear) and name not in outside})
+        where = " (LoRA adapts a vision-language model's language model alone)" if outside else ""
         raise UserError(f"--target_modules {args.target_modules}: {str(e).splitlines()[0]} Give 'all-linear' or "
-                        f"some of this model's linear layers: {','.join(linear)}.") from None
+                        f"some of this model's linear layers{where}: {','.join(linear)}.") from None
     from peft.tuners.lora import LoraLayer
 
     other = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()

@@ -84,6 +84,23 @@ def freeze_vision_tower(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in tower.parameters())
 
 
+def outside_language_model(model) -> list[str]:
+    """The names of a vision-language model's modules outside its language model and output head (the vision tower,
+    the connector and their parents), [] for a text model. LoRA here adapts the language model alone: an adapter in
+    the tower would train what --freeze_vision_tower keeps, and all-linear would otherwise put one there."""
+    if getattr(model.config, "vision_config", None) is None:
+        return []
+    text_config = getattr(model.config, "text_config", None)
+    language = next((name for name, module in model.named_modules()
+                     if name and getattr(module, "config", None) is text_config), None)
+    if language is None:
+        raise UserError(f"found no language model in the {type(model).__name__} (no module built from its "
+                        f"text_config) to put LoRA adapters on; train it whole, without --lora_rank.")
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules() if name and module is not head
+            and name != language and not name.startswith(language + ".")]
+
+
 # ------------------------------------------------------------------------------------------------ reading images
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.ASCII)
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{16,}={0,2}", re.ASCII)  # bare base64 text: no dot, unlike a file name
@@ -337,10 +354,9 @@ def check_trainer_args(args) -> bool:
         return False
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
                (getattr(args, "pretrain_mode", False), "takes no --pretrain_mode (its rows are chat messages)"),
-               (getattr(args, "lora_rank", 0), "is trained whole here: LoRA on its language model is not built yet, "
-                                                 "leave out --lora_rank"),
-               (getattr(args, "packing_samples", False), "is trained on padded batches here: leave out "
-                                                          "--packing_samples")]
+               (getattr(args, "lora_rank", 0) and not getattr(args, "freeze_vision_tower", True),
+                "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "
+                "--freeze_vision_tower false, or --lora_rank to train the tower")]
     for wrong, what in refused:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
@@ -481,8 +497,9 @@ def check_ppo_args(args) -> bool:
                (args.partial_rollouts, "samples each prompt whole, with its images, here: leave out "
                                        "--partial_rollouts"),
                (args.ptx_data, "takes no --ptx_data here (its pretraining rows hold no images)"),
-               (args.lora_rank, "is trained whole here: LoRA on its language model is not built yet, leave out "
-                                "--lora_rank"),
+               (args.lora_rank and not getattr(args, "freeze_vision_tower", True),
+                "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "
+                "--freeze_vision_tower false, or --lora_rank to train the tower"),
                (args.packing_samples, "is trained on padded batches here: leave out --packing_samples")]
     for wrong, what in refused:
         if wrong:

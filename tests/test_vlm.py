@@ -89,6 +89,32 @@ def test_image_rows_tokenize_as_the_processor_does_and_train_on_the_response_onl
     assert batch["pixel_values"][0, 1].abs().sum() == 0  # the first sample's second image is padding
 
 
+def test_a_packed_row_scores_each_sample_with_its_own_images_as_a_padded_batch_does(tiny_vlm, image_dataset):
+    """--packing_samples on a VLM: whole samples (their image tokens never cut) in one row, the row's images in
+    their samples' order; each sample's log-probs equal the padded batch's, which holds one sample a row."""
+    from common.modeling import next_token_logprobs
+
+    processor = vlm.load_processor(tiny_vlm)
+    samples = vlm.build_vlm_sft_samples(data.load_records(image_dataset), processor, image_dataset, "prompt",
+                                        "response", max_len=128)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    padded = data.pad_collate(samples, processor.tokenizer.pad_token_id) | vlm.image_inputs(processor, samples, False)
+    packed = data.pack_collate(samples) | vlm.image_inputs(processor, samples, packing=True)
+    assert packed["pixel_values"].shape[:2] == (1, 4)  # (one row, every sample's images)
+    with torch.no_grad():
+        padded_logprobs = next_token_logprobs(model, padded["input_ids"], padded["attention_mask"], None,
+                                              pixel_values=padded["pixel_values"],
+                                              pixel_attention_mask=padded["pixel_attention_mask"])
+        packed_logprobs = next_token_logprobs(model, packed["input_ids"], None, packed["position_ids"],
+                                              pixel_values=packed["pixel_values"],
+                                              pixel_attention_mask=packed["pixel_attention_mask"])[0]
+    offset = 0
+    for i, sample in enumerate(samples):
+        length = len(sample["input_ids"])
+        assert (packed_logprobs[offset: offset + length - 1] - padded_logprobs[i, :length - 1]).abs().max() < 1e-5
+        offset += length
+
+
 def test_preference_pairs_share_the_prompt_and_its_images_and_train_on_each_response(tiny_vlm, image_dataset):
     processor = vlm.load_processor(tiny_vlm)
     rows = data.load_records(image_dataset)
@@ -180,9 +206,11 @@ def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(t
         pretrain, apply_chat_template, pretrain_mode, lora_rank, packing_samples = tiny_vlm, True, False, 0, False
 
     assert vlm.check_trainer_args(Args)
-    for flag, value in (("apply_chat_template", False), ("pretrain_mode", True), ("lora_rank", 8),
-                        ("packing_samples", True)):
-        wrong = type("Wrong", (Args,), {flag: value})
+    for taken in ({"lora_rank": 8}, {"packing_samples": True}):  # LoRA on the language model alone; whole samples
+        assert vlm.check_trainer_args(type("Taken", (Args,), taken))
+    for wrong in ({"apply_chat_template": False}, {"pretrain_mode": True},
+                  {"lora_rank": 8, "freeze_vision_tower": False}):
+        wrong = type("Wrong", (Args,), wrong)
         with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
             vlm.check_trainer_args(wrong)
 
@@ -248,6 +276,45 @@ def test_freeze_vision_tower_leaves_the_connector_and_the_language_model_trained
     assert frozen == sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.vision_model."))
     trained = {n.split(".")[1] for n, p in model.named_parameters() if p.requires_grad and n.startswith("model.")}
     assert trained == {"connector", "text_model"}
+
+
+def test_lora_adapts_the_language_model_alone_and_merges_into_a_plain_vlm(tiny_vlm):
+    """--lora_rank on a VLM at the default all-linear: adapters on the language model's linear layers only (the
+    tower and the connector untouched, though all-linear matches theirs), and the merged weights load as the plain
+    transformers model the adapted one computes as."""
+    from peft.tuners.lora import LoraLayer
+
+    from common import lora
+
+    class Args:  # sft.py's LoRA flags at their defaults, with a rank
+        lora_rank, lora_alpha, lora_dropout, target_modules = 4, 8, 0.0, "all-linear"
+
+    plain = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    linear = {name for name, m in plain.named_modules() if isinstance(m, torch.nn.Linear)}
+    model = lora.wrap(AutoModelForImageTextToText.from_pretrained(tiny_vlm), Args)
+    adapted = {name.removeprefix(lora.PEFT_PREFIX) for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted == {name for name in linear if name.startswith("model.text_model.")} and len(adapted) == 14
+    assert any(name.startswith(("model.vision_model.", "model.connector.")) for name in linear)
+    tower_only = type("TowerOnly", (Args,), {"target_modules": "fc1"})  # a linear layer of the vision tower alone
+    with pytest.raises(lora.UserError, match=r"language model alone\): down_proj,gate_proj,k_proj,lm_head,o_proj,"):
+        lora.wrap(AutoModelForImageTextToText.from_pretrained(tiny_vlm), tower_only)
+    trained = {name.removeprefix(lora.PEFT_PREFIX) for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(name.startswith("model.text_model.") and ".lora_" in name for name in trained)
+
+    torch.manual_seed(SEED)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:  # B starts at 0: give the adapters something to merge
+            p.data.normal_(std=0.1)
+    plain.load_state_dict(lora.merged_state_dict(model.state_dict(), model))
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    prompt = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
+    with torch.no_grad():
+        adapted_logits, plain_logits = model(**inputs).logits, plain(**inputs).logits
+        with lora.reference(model):
+            base_logits = model(**inputs).logits
+    assert (adapted_logits - plain_logits).abs().max() < 1e-5
+    assert (adapted_logits - base_logits).abs().max() > 1e-3
 
 
 VLLM_LOGPROBS = """
@@ -374,9 +441,13 @@ def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, tmp_path):
+@pytest.mark.parametrize("flags, changed", [
+    ([], {"model.connector", "model.text_model", "lm_head.weight"}),
+    (["--lora_rank", "4", "--packing_samples"], {"model.text_model"})], ids=["whole", "lora_packed"])
+def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, tmp_path, flags, changed):
     """kto.py on image feedback with the vision tower frozen (the default): the connector and the language model
-    move, the tower does not, and the folder loads as a plain transformers VLM."""
+    move (with --lora_rank the language model alone), the tower does not, and the folder loads as a plain
+    transformers VLM."""
     (tmp_path / "red.png").write_bytes(png_bytes((56, 56), (255, 0, 0)))
     (tmp_path / "blue.png").write_bytes(png_bytes((56, 56), (0, 0, 255)))
     rows = [dict(image_row([colour + ".png"], response=answer), label=good)
@@ -385,7 +456,26 @@ def test_kto_trains_a_vlm_that_transformers_loads_with_its_processor(tiny_vlm, t
     out = str(tmp_path / "kto")
     run_script("kto.py", ["--pretrain", tiny_vlm, "--dataset", source, "--apply_chat_template", "--output_dir", out,
                           "--train_batch_size", "4", "--micro_train_batch_size", "4", "--max_steps", "2",
-                          "--learning_rate", "1e-2", "--max_len", "64"])
-    assert changed_parts(tiny_vlm, out) == {"model.connector", "model.text_model", "lm_head.weight"}
+                          "--learning_rate", "1e-2", "--max_len", "64", *flags])
+    assert changed_parts(tiny_vlm, out) == changed
+    AutoModelForImageTextToText.from_pretrained(out)
+    assert AutoProcessor.from_pretrained(out).image_token == "<image>"
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_vlm, image_dataset, tmp_path):
+    """sft.py, then dpo.py (its reference the policy with its adapters off), with --lora_rank on a VLM and its
+    samples packed: only the language model's weights move, and each folder loads as a plain transformers VLM with
+    its processor."""
+    sft_out, out = str(tmp_path / "sft"), str(tmp_path / "dpo")
+    flags = ["--dataset", image_dataset, "--apply_chat_template", "--train_batch_size", "2",
+             "--micro_train_batch_size", "2", "--max_steps", "2", "--learning_rate", "1e-2", "--lora_rank", "4",
+             "--packing_samples"]
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--output_dir", sft_out, *flags])
+    assert changed_parts(tiny_vlm, sft_out) == {"model.text_model"}
+    run_script("dpo.py", ["--pretrain", sft_out, "--output_dir", out, *flags])
+    assert changed_parts(sft_out, out) == {"model.text_model"}
+    assert os.path.exists(os.path.join(out, "adapter", "adapter_config.json"))  # the adapter alone, beside it
     AutoModelForImageTextToText.from_pretrained(out)
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"

@@ -104,13 +104,14 @@ def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
     ({"env_fn": "e.py:f", "reward_fn": None}, "leave out --env_fn and --agent_fn"),
     ({"ptx_data": "p.jsonl"}, "--ptx_data"),
     ({"async_rollouts": True, "partial_rollouts": True}, "leave out --partial_rollouts"),
-    ({"lora_rank": 8}, "leave out --lora_rank"),
+    ({"lora_rank": 8, "freeze_vision_tower": False}, "leave out --freeze_vision_tower false, or --lora_rank"),
     ({"packing_samples": True}, "leave out --packing_samples"),
 ])
 def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(tiny_vlm, flags, message):
     with pytest.raises(UserError, match=rf"^--pretrain .* is a vision-language model, which .*{message}"):
         vlm.check_ppo_args(ppo_args(tiny_vlm, **flags))
     assert vlm.check_ppo_args(ppo_args(tiny_vlm))
+    assert vlm.check_ppo_args(ppo_args(tiny_vlm, lora_rank=8))  # adapters on the language model, the tower frozen
 
 
 def grpo(tiny_vlm: str, image_task: dict, out: str, *flags: str) -> list[dict]:
@@ -165,6 +166,24 @@ def test_grpo_with_the_vision_tower_frozen_leaves_it_out_of_the_sync(tiny_vlm, i
     tower = parameter_bytes(tiny_vlm, "model.vision_model")
     assert all(row["weight_sync/bytes"] == parameter_bytes(tiny_vlm) - tower for row in rows)
     assert changed_parts(tiny_vlm, out) == {"model.connector", "model.text_model", "lm_head.weight"}
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_grpo_with_lora_syncs_the_merged_language_model_and_vllm_follows_the_trainer(tiny_vlm, image_task, tmp_path):
+    """--lora_rank on a VLM policy: adapters on the language model alone, whose merged linear layers alone are sent
+    (the tower and connector stay as the engines loaded them), vLLM at rounding level after every sync."""
+    out = str(tmp_path / "ppo")
+    rows = grpo(tiny_vlm, image_task, out, "--lora_rank", "4", "--lora_alpha", "8")
+    diffs = [row["vllm/logprob_diff"] for row in rows]
+    print(f"vllm/logprob_diff {diffs}, weight_sync/bytes {[row['weight_sync/bytes'] for row in rows]}")
+    assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer after a sync: {diffs}"
+    weights = load_file(os.path.join(tiny_vlm, "model.safetensors"))
+    linear = sum(t.numel() * t.element_size() for name, t in weights.items()
+                 if name.startswith("model.text_model.layers.") and name.endswith("proj.weight"))
+    assert all(row["weight_sync/bytes"] == linear for row in rows)
+    assert changed_parts(tiny_vlm, out) == {"model.text_model"}
+    AutoModelForImageTextToText.from_pretrained(out)
 
 
 @pytest.mark.slow
