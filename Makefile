@@ -45,8 +45,8 @@ test-families: setup
 	$(PY) tests/model_family_table.py --out .cache/families
 
 # The real-model tier: the scripts a few steps on SmolLM2-135M-Instruct (common/real_model.py builds it once into
-# .cache/, ~30 s) and demo-real's GRPO whole, 11 minutes on 2 quiet cores; `make test` leaves it out (pytest.ini
-# deselects the `real` marker).
+# .cache/, ~30 s), demo-real's GRPO whole and the sanity runs of RLOO and iterative DPO (docs/real_model.md), about
+# half an hour on 2 quiet cores; `make test` leaves it out (pytest.ini deselects the `real` marker).
 REAL_STAMP := $(VENV)/.installed-requirements-real
 setup-real: $(REAL_STAMP)
 
@@ -61,9 +61,9 @@ test-real: setup-real
 demo: setup
 	$(PY) launch/demo.py --out out/demo
 
-# GRPO teaches the real chat model of `make test-real` to answer arithmetic with the number alone
-# (launch/demo_real.py): held-out answers before and after, the reward curve; ~5 minutes on 2 unshared cores (50 at a
-# load average of 34).
+# GRPO with a reward for right answers alone makes the real chat model of `make test-real` answer single-digit sums
+# right (launch/demo_real.py): held-out answers before and after, the curve; ~5 minutes on 2 unshared cores (262 s
+# on 2026-11-28), several times that under load.
 demo-real: setup-real
 	$(PY) launch/demo_real.py --out out/demo_real
 
