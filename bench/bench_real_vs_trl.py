@@ -13,7 +13,7 @@ answers right at step 1 and over the last 6 steps, and the greedy answers to the
 the figure, the share right against seconds.
 
     .venv/bin/python -m pip install -r requirements-dev.txt -c constraints.txt   # TRL is a dev requirement
-    .venv/bin/python bench/bench_real_vs_trl.py            # about 15 minutes on 2 quiet CPU cores
+    .venv/bin/python bench/bench_real_vs_trl.py            # about 11 minutes on 2 quiet CPU cores
 """
 
 import json
