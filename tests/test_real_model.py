@@ -245,9 +245,8 @@ SANITY_STEPS = 16
 # half the lowest seen.
 DEMO_LAST_STEPS_ACCURACY = 0.75
 DEMO_HELD_OUT_GAIN = 0.15
-# RLOO, seed 42 (ppo_ray.py's default): the band's 75 questions solved 40% of the time by the base model; sampled
-# answers right 0.28 at steps 1-2, 0.96 over the last 4 of 16 steps. One seed measured: the threshold leaves a wide
-# margin.
+# RLOO, seeds 42 (ppo_ray.py's default) and 1: the band's 75 questions solved 40% of the time by the base model;
+# sampled answers right 0.28 and 0.38 at steps 1-2, 0.96 and 0.84 over the last 4 of 16 steps.
 RLOO_LAST_STEPS_ACCURACY = 0.75
 # Iterative DPO, seed 0: the 75 band questions' sampled answers right 0.37 before, then 0.78, 0.94 and 0.96 after one,
 # two and three rounds of DPO on the model's own pairs (learning rate 3e-5, 2 epochs a round). One seed so far.
