@@ -7,8 +7,8 @@ For every prompt, sample n responses from the policy with vLLM, score each one, 
   csft       every response, with its reward written into its prompt, as SFT data for sft.py: conditional SFT
              (Hu et al. 2023, "Aligning Language Models with Offline Learning from Human Feedback");
   dpo_pairs  the best response as chosen and the worst as rejected, as pairs {"prompt", "chosen", "rejected",
-             "chosen_reward", "rejected_reward"} for dpo.py: iterative DPO (Xiong et al. 2024, "Iterative
-             Preference Learning from Human Feedback").
+             "chosen_reward", "rejected_reward", "chosen_truncated", "rejected_truncated"} for dpo.py: iterative
+             DPO (Xiong et al. 2024, "Iterative Preference Learning from Human Feedback").
 With `--iterations K`, each of K rounds samples, scores, selects and trains (sft.py, or dpo.py for pairs) as a user
 would run them, and the next round samples from the model just trained.
 
@@ -33,8 +33,10 @@ Implementation details, where they happen below:
   - reward sources (common/rewards.py) are reward models, which see prompt + response + EOS exactly as rm.py
     trained them and are normalised by their stored mean/std, a rule-based `--reward_fn`, and a remote reward model
     (`--remote_rm_url`); with several, the reward is their weighted sum (--reward_weights);
-  - responses cut at --generate_max_len are not selected (unless --keep_truncated): the trainers end each response
-    with EOS and would teach the model to stop where the limit cut; a prompt with no whole response gives none;
+  - responses cut at --generate_max_len are not selected as answers (unless --keep_truncated): the trainers end each
+    response with EOS and would teach the model to stop where the limit cut; a prompt with no whole response gives
+    none. A pair may reject a cut response (a rambling answer is a wrong one), marked by "rejected_truncated": dpo.py
+    then trains it without the end-of-turn token it never had;
   - ties go to the first sample with the top (or bottom) reward; a pair whose best and worst rewards are equal
     carries no preference and is skipped; `--min_reward` drops prompts whose best sample's reward (the weighted
     sum) is lower (RAFT's filter: with a 0/1 rule reward alone, 1.0 keeps only solved prompts);
@@ -196,13 +198,15 @@ def conditioned_prompt(prompt, reward: float, template: str, decimals: int):
 
 def select(mode: str, prompts: list, responses: list[list[str]], scores: list[list[float]],
            min_reward: float | None = None, csft_template: str = "", csft_decimals: int = 1,
-           truncated: list[list[bool]] | None = None) -> tuple[list[dict], int]:
+           truncated: list[list[bool]] | None = None, keep_truncated: bool = False) -> tuple[list[dict], int]:
     """The records `mode` writes for these scored samples, and the number of prompts that gave none.
 
-    Samples marked in `truncated` (cut at the length limit) are left out, and a prompt with none left gives none."""
+    Samples marked in `truncated` (cut at the length limit) are not trained on as answers unless keep_truncated, and
+    a prompt with no other gives none; a pair may still reject one (the pair marks which side was cut)."""
     records, skipped = [], 0
     for i, (prompt, texts, prompt_scores) in enumerate(zip(prompts, responses, scores)):
-        whole = [j for j in range(len(texts)) if not (truncated and truncated[i][j])]
+        cut = truncated[i] if truncated else [False] * len(texts)
+        whole = [j for j in range(len(texts)) if keep_truncated or not cut[j]]
         if not whole:
             skipped += 1
             continue
@@ -214,11 +218,14 @@ def select(mode: str, prompts: list, responses: list[list[str]], scores: list[li
             skipped += 1
         elif mode == "best_of_n":
             records.append({"prompt": prompt, "response": texts[best], "reward": prompt_scores[best]})
-        elif prompt_scores[best] == prompt_scores[worst] or texts[best] == texts[worst]:
-            skipped += 1  # dpo_pairs: all samples equally good, no preference to learn
-        else:
-            records.append({"prompt": prompt, "chosen": texts[best], "rejected": texts[worst],
-                            "chosen_reward": prompt_scores[best], "rejected_reward": prompt_scores[worst]})
+        else:  # dpo_pairs: the worst of all samples; a rambling one the limit cut is as wrong as a finished one
+            worst = best_and_worst(prompt_scores)[1]
+            if prompt_scores[best] == prompt_scores[worst] or texts[best] == texts[worst]:
+                skipped += 1  # all samples equally good, no preference to learn
+            else:  # the marks let the trainer leave out the end a cut response never had (common/data.py)
+                records.append({"prompt": prompt, "chosen": texts[best], "rejected": texts[worst],
+                                "chosen_reward": prompt_scores[best], "rejected_reward": prompt_scores[worst],
+                                "chosen_truncated": cut[best], "rejected_truncated": cut[worst]})
     return records, skipped
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
@@ -511,23 +518,24 @@ def main(args: Args):
 
         # ---- select the data
         records, skipped = select(args.mode, prompts, responses, scores, args.min_reward, args.csft_template,
-                                  args.csft_decimals, None if args.keep_truncated else truncated)
+                                  args.csft_decimals, truncated, args.keep_truncated)
         cut = sum(map(sum, truncated))
         left_out = "" if args.keep_truncated or not cut else (
-            f"; {cut} of {len(prompts) * n} responses were cut at --generate_max_len and left out (raise it, or pass "
-            f"--keep_truncated)")
+            f"; {cut} of {len(prompts) * n} responses were cut at --generate_max_len and not selected as answers "
+            f"(raise it, or pass --keep_truncated)")
         if not records:
             raise UserError(f"iteration {k} kept no sample: for every prompt, the best reward is below --min_reward, "
                             f"all samples tie or all were cut at the length limit{left_out}; the scored samples are "
                             f"in {files['scored']}.")
         write_jsonl(files[args.mode], records)
-        # best and worst among the responses selection may pick: whole ones, unless --keep_truncated
-        selectable = [[r for r, c in zip(row, cuts) if args.keep_truncated or not c]
-                      for row, cuts in zip(scores, truncated)]
-        selectable = [row for row in selectable if row]  # not empty: a record was selected from one of them
+        # best and worst among the responses selection may pick: whole ones (unless --keep_truncated) as the answer,
+        # and any as a pair's rejected one, over the prompts that have a whole one
+        pickable = [([r for r, c in zip(row, cuts) if args.keep_truncated or not c], row)
+                    for row, cuts in zip(scores, truncated)]
+        pickable = [(whole, row if args.mode == "dpo_pairs" else whole) for whole, row in pickable if whole]
         metrics = {"rewards/mean": sum(map(sum, scores)) / (len(scores) * n),
-                   "rewards/best_mean": sum(map(max, selectable)) / len(selectable),
-                   "rewards/worst_mean": sum(map(min, selectable)) / len(selectable),
+                   "rewards/best_mean": sum(max(best) for best, _ in pickable) / len(pickable),
+                   "rewards/worst_mean": sum(min(worst) for _, worst in pickable) / len(pickable),
                    "data/records": len(records), "data/prompts_skipped": skipped,
                    "data/truncated_share": cut / (len(prompts) * n)}
         summary = f"wrote {len(records)} records to {files[args.mode]} ({skipped} prompts skipped{left_out})"

@@ -601,10 +601,33 @@ def stream_indices(num_samples: int, count: int, seed: int, start: int) -> list[
 
 # ------------------------------------------------------------------------------------ preference and KTO samples
 def _tokenize_response(tokenizer, prompt, response, max_len: int, apply_chat_template: bool,
-                       input_template: str | None, end_with_eos: bool) -> tuple[dict, bool]:
-    """One prompt + response as {"input_ids", "loss_mask"} (the mask covers the response), and whether it was cut."""
+                       input_template: str | None, end_with_eos: bool, unfinished: bool = False) -> tuple[dict, bool]:
+    """One prompt + response as {"input_ids", "loss_mask"} (the mask covers the response), and whether it was cut.
+    An `unfinished` response (cut at a sampler's length limit) is trained without the end the template gives it."""
     text, spans = render_pair(tokenizer, prompt, str(response), apply_chat_template, input_template)
-    return _tokenize_span(tokenizer, text, spans[0], max_len, end_with_eos)
+    span = without_the_end(text, spans[0], str(response)) if unfinished else spans[0]
+    return _tokenize_span(tokenizer, text, span, max_len, end_with_eos)
+
+
+def without_the_end(text: str, span: tuple[int, int], response: str) -> tuple[int, int]:
+    """The span of a response that a length limit cut, ending at its last character instead of at the end-of-turn
+    token or EOS the rendering closed it with. The sampler never wrote that token: a loss on it would teach a model
+    to stop where the limit cut (a chosen response) or never to stop there (a rejected one)."""
+    body = response.strip()  # templates may trim a message's whitespace
+    at = text.find(body, span[0], span[1])
+    if at < 0:
+        raise DataError("the chat template rewrites this response's text, so the end of a response cut at the length "
+                        "limit cannot be found in it; drop the pair, or train with --input_template.")
+    return span[0], at + len(body)
+
+
+def unfinished_flag(row: dict, key: str, index: int, source: str) -> bool:
+    """row[key + "_truncated"]: true where the response under `key` was cut at a length limit (rejection_sampling.py
+    writes it), so it has no end to train; absent means false."""
+    flag = row.get(f"{key}_truncated", False)
+    if not isinstance(flag, bool):
+        raise DataError(f"{source}, sample {index}: {key + '_truncated'!r} must be true or false, got {flag!r}.")
+    return flag
 
 
 def _tokenize_span(tokenizer, text: str, span: tuple[int, int], max_len: int,
@@ -681,10 +704,10 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
         if isinstance(margin, bool) or not isinstance(margin, (int, float)):
             raise DataError(f"{source}, sample {i}: {margin_key!r} must be a number, got {margin!r}.")
         pair = {"margin": float(margin)}
-        for side, response in (("chosen", chosen), ("rejected", rejected)):
+        for side, key, response in (("chosen", chosen_key, chosen), ("rejected", rejected_key, rejected)):
             with sample_context(source, i):
                 pair[side], cut = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template,
-                                                     input_template, end_with_eos)
+                                                     input_template, end_with_eos, unfinished_flag(row, key, i, source))
             truncated += cut
         if sum(pair["chosen"]["loss_mask"]) == 0 or sum(pair["rejected"]["loss_mask"]) == 0:
             dropped += 1

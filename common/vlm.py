@@ -26,7 +26,7 @@ import torch
 
 from common.args import UserError, config_file
 from common.data import (DataError, as_messages, checked_samples, get_key, get_response, render_chat, sample_context,
-                         tokenize_with_spans)
+                         tokenize_with_spans, unfinished_flag, without_the_end)
 
 
 def is_vision_language(path: str) -> bool:
@@ -223,15 +223,20 @@ def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], ima
     return ids, mask, images_end
 
 
-def vlm_sample(processor, messages: list[dict], base_dir: str, max_len: int) -> tuple[dict, bool]:
+def vlm_sample(processor, messages: list[dict], base_dir: str, max_len: int,
+               unfinished: bool = False) -> tuple[dict, bool]:
     """One conversation with images as {"input_ids", "loss_mask", "images"}, its assistant turns trained on, and
-    whether it was truncated to max_len. Truncation never cuts into an image: a DataError instead."""
-    return sample_of_read_images(processor, *split_images(messages, base_dir), max_len)
+    whether it was truncated to max_len. Truncation never cuts into an image: a DataError instead. An `unfinished`
+    last turn (cut at a sampler's length limit) is trained without the end the template gives it."""
+    return sample_of_read_images(processor, *split_images(messages, base_dir), max_len, unfinished)
 
 
-def sample_of_read_images(processor, messages: list[dict], images: list, max_len: int) -> tuple[dict, bool]:
+def sample_of_read_images(processor, messages: list[dict], images: list, max_len: int,
+                          unfinished: bool = False) -> tuple[dict, bool]:
     """vlm_sample of messages whose images are read already (split_images' two results)."""
     text, spans = render_chat(processor.tokenizer, messages)
+    if unfinished:
+        spans[-1] = without_the_end(text, spans[-1], messages[-1]["content"])
     ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
     if images_end > max_len:
         raise DataError(f"its images end at token {images_end}, past --max_len {max_len}, and an image cut short "
@@ -287,7 +292,7 @@ def build_vlm_preference_samples(rows, processor, source, input_key, chosen_key,
             for side, key in (("chosen", chosen_key), ("rejected", rejected_key)):
                 response = get_response(row, key, i, source, input_key)
                 pair[side], cut = vlm_sample(processor, prompt + [{"role": "assistant", "content": response}],
-                                             dataset_folder(source), max_len)
+                                             dataset_folder(source), max_len, unfinished_flag(row, key, i, source))
                 truncated += cut
         if not sum(pair["chosen"]["loss_mask"]) or not sum(pair["rejected"]["loss_mask"]):
             dropped += 1

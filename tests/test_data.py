@@ -628,3 +628,38 @@ def test_a_sampled_response_reads_as_it_does_after_its_prompt(kind, tokenizer):
     ids = tokenizer("Q: 2+2? A:", add_special_tokens=False)["input_ids"]
     answer = tokenizer(" four", add_special_tokens=False)["input_ids"]
     assert data.decode_response(tokenizer, ids, answer) == tokenizer.decode(answer) == " four"
+
+
+TRIMMING_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>' }}"
+                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("render", ["default chat", "chatml", "phi3-like", "trimming", "input template", "plain"])
+def test_a_pair_side_cut_at_the_length_limit_is_trained_without_an_end(tokenizer, render):
+    """rejection_sampling.py marks a rejected (or, with --keep_truncated, chosen) response that the length limit
+    cut: it never wrote the end-of-turn token the rendering closes it with, so no side of the pair is trained on one
+    it lacks, whatever the template writes after the response; the other side keeps its end."""
+    from transformers import PreTrainedTokenizerFast
+
+    from common.tiny_model import build_tokenizer
+
+    chatml = build_tokenizer(chat_format="chatml")
+    other = {"phi3-like": PHI3_LIKE_TEMPLATE, "trimming": TRIMMING_TEMPLATE}
+    tok = {"chatml": chatml}.get(render, tokenizer)
+    if render in other:
+        tok = PreTrainedTokenizerFast(tokenizer_object=chatml.backend_tokenizer, pad_token="<pad>",
+                                      eos_token="<|endoftext|>", chat_template=other[render])
+    kw = {"apply_chat_template": render not in ("input template", "plain"),
+          "input_template": "Q: {} A: " if render == "input template" else None}
+    row = {"prompt": "What is 2+3?", "chosen": "5", "rejected": "Let me think about it ", "rejected_truncated": True}
+    (pair,) = data.build_preference_samples([row], tok, "t", "prompt", "chosen", "rejected", 128, **kw)
+    end = {"chatml": "<|im_end|>", "phi3-like": "<|im_end|>", "trimming": "<|im_end|>"}.get(render, "<eos>")
+    assert masked_text(tok, pair["chosen"]).strip() == "5" + end
+    assert masked_text(tok, pair["rejected"]).strip() == "Let me think about it"
+    (swapped,) = data.build_preference_samples([{**row, "chosen_truncated": True, "rejected_truncated": False}], tok,
+                                               "t", "prompt", "chosen", "rejected", 128, **kw)
+    assert masked_text(tok, swapped["chosen"]).strip() == "5"
+    assert masked_text(tok, swapped["rejected"]).strip().replace(" " + end, end) == "Let me think about it" + end
+    with pytest.raises(data.DataError, match="'rejected_truncated' must be true or false, got 'yes'"):
+        data.build_preference_samples([{**row, "rejected_truncated": "yes"}], tok, "t", "prompt", "chosen", "rejected",
+                                      128, **kw)

@@ -104,9 +104,10 @@ def test_pairs_need_two_different_texts_and_ties_go_to_the_first():
     assert best[0]["response"] == "b"
 
 
-def test_responses_cut_at_the_length_limit_are_not_selected():
+def test_responses_cut_at_the_length_limit_are_not_answers_but_may_be_rejected():
     """A cut response would be trained on with an EOS after it, teaching the model to stop where the limit cut it:
-    the best whole response is picked instead, and a prompt with none gives no record."""
+    the best whole response is picked instead, and a prompt with none gives no record. A pair may reject a cut one
+    (a rambling answer is a wrong one), and says so, for dpo.py to train it without an end."""
     prompts, responses = ["p", "q"], [["cut, best", "whole", "whole, worst"], ["cut", "cut too", "cut, worst"]]
     scores, truncated = [[3.0, 2.0, 0.0], [1.0, 0.5, 0.0]], [[True, False, False], [True, True, True]]
     best, skipped = select("best_of_n", prompts, responses, scores, truncated=truncated)
@@ -115,8 +116,16 @@ def test_responses_cut_at_the_length_limit_are_not_selected():
     assert [(r["chosen"], r["rejected"]) for r in pairs] == [("whole", "whole, worst")] and skipped == 1
     csft, skipped = select("csft", prompts, responses, scores, csft_template=TEMPLATE, truncated=truncated)
     assert [r["response"] for r in csft] == ["whole", "whole, worst"] and skipped == 1
-    kept, _ = select("best_of_n", prompts, responses, scores)  # --keep_truncated
+    kept, _ = select("best_of_n", prompts, responses, scores, truncated=truncated, keep_truncated=True)
     assert [r["response"] for r in kept] == ["cut, best", "cut"]
+
+    rambling = [[False, True, False]]  # the worst sample is the one the limit cut
+    [pair], _ = select("dpo_pairs", ["p"], [["right", "rambling", "wrong"]], [[1.0, 0.0, 0.5]], truncated=rambling)
+    assert (pair["chosen"], pair["chosen_truncated"], pair["rejected"], pair["rejected_truncated"]) == \
+        ("right", False, "rambling", True)
+    [pair], _ = select("dpo_pairs", ["p"], [["right", "rambling", "wrong"]], [[0.0, 1.0, 0.5]], truncated=rambling,
+                       keep_truncated=True)
+    assert (pair["chosen"], pair["chosen_truncated"], pair["rejected_truncated"]) == ("rambling", True, False)
 
 
 def test_the_reward_is_written_into_the_prompt_once_spelled():

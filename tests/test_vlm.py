@@ -128,6 +128,11 @@ def test_preference_pairs_share_the_prompt_and_its_images_and_train_on_each_resp
         for side, key in ((chosen, "chosen"), (rejected, "rejected")):
             trained = [t for t, m in zip(side["input_ids"], side["loss_mask"]) if m]
             assert processor.tokenizer.decode(trained) == row[key] + processor.tokenizer.eos_token
+    # a rejected response the sampler's length limit cut (rejection_sampling.py marks it) is trained without an end
+    cut = vlm.build_vlm_preference_samples([dict(rows[0], rejected_truncated=True)], processor, image_dataset,
+                                           "prompt", "chosen", "rejected", 128)[0]["rejected"]
+    trained = [t for t, m in zip(cut["input_ids"], cut["loss_mask"]) if m]
+    assert processor.tokenizer.decode(trained) == rows[0]["rejected"]
 
 
 def test_kto_pairs_each_prompt_and_its_own_images_with_another_samples_response(tiny_vlm, tmp_path):
