@@ -129,8 +129,10 @@ def print_rank0(rank: int, *args) -> None:
         print(*args, flush=True)
 
 
-# A phase that takes this many times its median so far gets a log line of its own.
+# A phase that takes this many times its median so far, and at least SLOW_SECONDS, gets a log line of its own (a
+# reward of 0.02 s against a median of 0.005 s is no stall, and a line for it would teach readers to skip them).
 SLOW_FACTOR = 4
+SLOW_SECONDS = 5.0
 
 _bar = None  # the latest progress bar
 _phases = []  # the phases under way, outermost first
@@ -141,7 +143,8 @@ _durations = {}  # phase -> the seconds each time it ran took
 def phase(name: str):
     """Name `name` ("generate", "reward", "checkpoint", ...) as the phase the run is waiting on, in its progress bar
     ("ppo [make_experience > reward]: 3/100"), and say so in one line when it takes more than SLOW_FACTOR times its
-    median so far (after three runs of it): a stall is then visible long before any deadline ends it."""
+    median so far (after three runs of it) and at least SLOW_SECONDS: a stall is then visible long before any
+    deadline ends it."""
     _phases.append(name)
     _show_phases()
     start = time.time()
@@ -151,7 +154,7 @@ def phase(name: str):
         _phases.pop()
         _show_phases()
     took, past = time.time() - start, _durations.setdefault(name, [])
-    if len(past) >= 3 and took > SLOW_FACTOR * statistics.median(past):
+    if len(past) >= 3 and took > max(SLOW_FACTOR * statistics.median(past), SLOW_SECONDS):
         tqdm.write(f"{name} took {took:.1f} s, {took / statistics.median(past):.0f} times its median so far "
                    f"({statistics.median(past):.1f} s)", file=sys.stderr)
     past.append(took)
