@@ -234,7 +234,7 @@ def test_a_vlm_reward_model_scores_each_response_at_its_eos_with_its_image_and_r
     place of the LM head, the layout of a text reward model; its reward is read at the EOS that ends the response,
     from a forward that reads the image, and it reloads from the folder it is saved to with its processor."""
     import rm
-    from common.modeling import sequence_rewards
+    from common.modeling import sequence_rewards, token_values
 
     model_class = vlm.sequence_classification_class(tiny_vlm)
     model = model_class.from_pretrained(tiny_vlm, num_labels=1).eval()
@@ -259,6 +259,8 @@ def test_a_vlm_reward_model_scores_each_response_at_its_eos_with_its_image_and_r
         blue = vlm.image_inputs(processor, [{"images": [Image.new("RGB", (56, 56), (0, 0, 255))]}] * 2, False)
         other_image = sequence_rewards(model, batch["input_ids"], batch["attention_mask"], **blue)
         assert (other_image - torch.cat([chosen, rejected])).abs().min() > 1e-3  # the same text, another image
+        values = token_values(model, batch["input_ids"], batch["attention_mask"], **blue)  # as a critic reads them
+        torch.testing.assert_close(values[:, -1], other_image, rtol=0, atol=1e-6)
         model.save_pretrained(tmp_path / "rm")
         processor.save_pretrained(tmp_path / "rm")
         reloaded = vlm.sequence_classification_class(str(tmp_path / "rm")).from_pretrained(tmp_path / "rm").eval()
