@@ -493,8 +493,10 @@ def build_batch(prompt_ids: list[list[int]], samples: list[list[dict]], pad_id: 
 
 @functools.cache
 def reward_tokenizer(path: str):
-    """A reward model's tokenizer: it renders the pairs the reward model reads, as rm.py trained it."""
-    return load_tokenizer(path, "--reward_pretrain")
+    """A reward model's tokenizer (a vision-language one's processor): it renders the pairs the reward model reads, as
+    rm.py trained it."""
+    return vlm.load_processor(path, "--reward_pretrain") if vlm.is_vision_language(path) else load_tokenizer(
+        path, "--reward_pretrain")
 
 
 def score(args: Args, cluster, prompts: list[dict], samples: list[list[dict]], tokenizer, reward_fn,
@@ -514,9 +516,10 @@ def score(args: Args, cluster, prompts: list[dict], samples: list[list[dict]], t
         labels = [p["label"] for p, group in zip(prompts, samples) for _ in group]
         responses = [decode_response(tokenizer, p["ids"], s["token_ids"]) for p, group in zip(prompts, samples)
                      for s in group]
+        images = [p.get("images", []) for p, group in zip(prompts, samples) for _ in group]  # read as prompts loaded
         pending = [group.call_sharded("scores", shard(rewards.reward_model_batch(
-            reward_tokenizer(path), texts, responses, args.apply_chat_template, args.input_template), len(group),
-            micro_rollout(args))) for group, path in zip(cluster.rewards, args.reward_pretrain or [])]  # all at once
+            reward_tokenizer(path), texts, responses, args.apply_chat_template, args.input_template, images, path),
+            len(group), micro_rollout(args))) for group, path in zip(cluster.rewards, args.reward_pretrain or [])]
         model_scores = [gather(group, refs, len(responses)) for group, refs in zip(cluster.rewards, pending)]
         weights = rewards.reward_weights(args.reward_weights, args.reward_pretrain, args.reward_fn, args.remote_rm_url)
         scores, sources = rewards.score_responses(model_scores, reward_fn, args.remote_rm_url, weights, texts,

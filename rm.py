@@ -24,11 +24,17 @@ Implementation details, where they happen below:
     better must be separated by more;
   - a pair whose chosen and rejected texts are identical carries no preference: it is skipped, with a warning;
   - after training, the mean and std of the rewards on the eval set (without one, on every n-th training pair,
-    up to 1000 of them) are stored in config.json as reward_mean and reward_std, for consumers to normalise rewards.
+    up to 1000 of them) are stored in config.json as reward_mean and reward_std, for consumers to normalise rewards;
+  - a vision-language --pretrain (docs/vlm.md) gets a scalar head of common/vlm.py's on its backbone, since
+    transformers has no sequence classifier for these families: its pairs' prompts hold images, which the forward
+    reads, and its vision tower stays frozen unless `--freeze_vision_tower false`.
 
 Load the result without this project's code:
     model = AutoModelForSequenceClassification.from_pretrained(out_dir)   # reward = model(**batch).logits[:, 0]
-(the score is read at the last token that is not config.pad_token_id: right-pad with that id).
+(the score is read at the last token that is not config.pad_token_id: right-pad with that id). A vision-language
+reward model loads with common.vlm.sequence_classification_class(out_dir).from_pretrained(out_dir), its processor
+with AutoProcessor; without this project, AutoModel.from_pretrained(out_dir) is its backbone and the safetensors'
+`score.weight` its head, applied to the last hidden state at the EOS.
 """
 
 import math
@@ -138,6 +144,9 @@ class Args:
     """key of an optional per-pair margin the chosen reward must exceed the rejected one by (0 when absent)"""
     packing_samples: bool = False
     """pack each micro-batch into one row without padding"""
+    freeze_vision_tower: bool = True
+    """a vision-language model's vision tower keeps its weights (its connector, language model and head train); false
+    trains it too"""
 
 
 # A resumed run must match its checkpoint in these flags (what makes it this run: model, data, schedule), besides
@@ -159,34 +168,45 @@ def pairwise_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
 
 def forward_rewards(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of the chosen and of the rejected responses, read at each one's final EOS: (pairs,) each."""
+    images = {k: v for k, v in batch.items() if k.startswith("pixel_")}  # a vision-language model's images
     if "position_ids" in batch:  # packed: one row, each sequence read at its own last token
-        rewards = packed_sequence_rewards(model, batch["input_ids"], batch["position_ids"])  # (2 * pairs,)
+        rewards = packed_sequence_rewards(model, batch["input_ids"], batch["position_ids"], **images)  # (2 * pairs,)
     else:
-        rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"])  # (2 * pairs,)
+        rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"], **images)  # (2 * pairs,)
     return rewards.chunk(2)
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-def load_pairs(args: Args, tokenizer, source: str, split: str, log=print) -> list[dict]:
-    """Training or eval pairs, each response cut after its EOS, where the reward is read (common/data.py)."""
+def load_pairs(args: Args, tokenizer, source: str, split: str, log=print, processor=None,
+               world_size: int = 1) -> list[dict]:
+    """Training or eval pairs, each response cut after its EOS, where the reward is read (common/data.py); with a
+    vision-language model's processor, pairs whose prompts hold images (common/vlm.py)."""
     rows = data.load_records(source, split)
+    if processor:
+        samples = vlm.build_vlm_preference_samples(rows, processor, source, args.input_key, args.chosen_key,
+                                                   args.rejected_key, args.max_len, log, args.margin_key,
+                                                   end_with_eos=True)
+        vlm.check_images_in_every_sample(samples, source, args.zero_stage, world_size)
+        return samples
     vlm.check_takes_images(rows, args.input_key, source, args.pretrain)
     return data.build_preference_samples(rows, tokenizer, source, args.input_key,
                                          args.chosen_key, args.rejected_key, args.max_len, args.apply_chat_template,
                                          args.input_template, args.margin_key, end_with_eos=True, log=log)
 
 
-def collate(samples, tokenizer, packing: bool, dev) -> dict:
+def collate(samples, tokenizer, packing: bool, dev, processor=None) -> dict:
     """Chosen responses then rejected ones, padded into one (2 * pairs, seq) batch or packed into one (1, total) row:
     one forward pass scores both."""
     sequences = [s["chosen"] for s in samples] + [s["rejected"] for s in samples]
     batch = data.pack_collate(sequences) if packing else data.pad_collate(sequences, tokenizer.pad_token_id)
+    if processor is not None:
+        batch.update(vlm.image_inputs(processor, sequences, packing))
     batch["margin"] = torch.tensor([s["margin"] for s in samples])  # (pairs,)
     return {k: v.to(dev) for k, v in batch.items()}
 
 
 @torch.no_grad()
-def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
+def evaluate(engine, samples, args, tokenizer, rank, world_size, processor=None) -> dict:
     """Mean loss, accuracy and the rewards' mean and std over the eval pairs, each rank taking every world_size-th."""
     engine.eval()
     names = ("loss", "correct", "pairs", "rewards", "squared_rewards")  # sums over pairs (rewards: both responses)
@@ -195,7 +215,7 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
     for i in range(0, math.ceil(len(samples) / world_size), args.micro_train_batch_size):
         chunk = mine[i: i + args.micro_train_batch_size] or samples[:1]  # every rank runs the same number of steps
         weight = 1.0 if mine[i: i + args.micro_train_batch_size] else 0.0
-        batch = collate(chunk, tokenizer, args.packing_samples, device())
+        batch = collate(chunk, tokenizer, args.packing_samples, device(), processor)
         chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
         losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"])
         rewards = torch.cat([chosen_rewards, rejected_rewards])
@@ -214,11 +234,8 @@ def evaluate(engine, samples, args, tokenizer, rank, world_size) -> dict:
 def check_args(args: Args) -> None:
     """Refuse flag and model mistakes before anything loads."""
     check_model_path(args.pretrain)
-    if vlm.is_vision_language(args.pretrain):
-        raise UserError(f"--pretrain {args.pretrain} is a vision-language model, and rm.py trains reward models that "
-                        f"load as transformers' sequence classifiers, a class it has none of; score a visual task "
-                        f"with ppo_ray.py's --reward_fn, or train the reward model from a text model.")
-    check_decoder_only(args.pretrain)  # the reward is read at the last token
+    if not vlm.check_trainer_args(args):
+        check_decoder_only(args.pretrain)  # the reward is read at the last token
     if args.packing_samples:
         check_packing(args.pretrain)
     check_lengths(args.pretrain, "--max_len", args.max_len, "--max_len")
@@ -237,7 +254,8 @@ def main(args: Args):
     ckpt_dir = checkpoint.checkpoint_dir(args)
     settings = checkpoint.trainer_settings(__file__, args, launcher_world_size, RUN_FLAGS)
     checkpoint.check_resume(ckpt_dir, settings, keep_last=args.keep_last_checkpoints)
-    tokenizer = load_tokenizer(args.pretrain)
+    processor = vlm.load_processor(args.pretrain) if vlm.is_vision_language(args.pretrain) else None
+    tokenizer = processor.tokenizer if processor else load_tokenizer(args.pretrain)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:  # the reward is read at the last token that is not padding
         spare = [t for t in (tokenizer.unk_token, tokenizer.bos_token) if t and t != tokenizer.eos_token]
         if not spare:
@@ -246,9 +264,9 @@ def main(args: Args):
         tokenizer.pad_token = spare[0]
 
     log = lambda msg: print_rank0(launcher_rank, msg)
-    train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log)
-    eval_samples = (load_pairs(args, tokenizer, args.eval_dataset, args.eval_dataset_split, log)
-                    if args.eval_dataset else [])
+    train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log, processor, launcher_world_size)
+    eval_samples = (load_pairs(args, tokenizer, args.eval_dataset, args.eval_dataset_split, log, processor,
+                               launcher_world_size) if args.eval_dataset else [])
     steps_per_epoch = data.steps_per_epoch(len(train_samples), args.train_batch_size, args.dataset, "pairs", log)
     widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs
@@ -266,6 +284,8 @@ def main(args: Args):
     # Set after the model is built: given to from_pretrained, it would become the embeddings' padding_idx, a row that
     # never gets a gradient, and where the EOS was the pad, that is now the BOS every row starts with.
     model.config.pad_token_id = tokenizer.pad_token_id  # transformers' own pooling reads the last non-pad token
+    if processor and args.freeze_vision_tower:
+        vlm.freeze_vision_tower(model)
     model = lora.wrap(model, args, "SEQ_CLS")  # with --lora_rank: adapters on the backbone, the new head trained whole
     engine = init_train_engine(model, config, args.learning_rate, args.weight_decay, total_steps,
                                args.warmup_ratio, args.min_lr_ratio, args.offload_optimizer)
@@ -282,7 +302,7 @@ def main(args: Args):
         names = ("loss", "chosen_rewards", "rejected_rewards", "correct", "pairs", "aux_loss")  # sums over the step
         start, stats = time.time(), torch.zeros(len(names), device=device())
         for indices in step_batches:
-            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device())
+            batch = collate([train_samples[i] for i in indices], tokenizer, args.packing_samples, device(), processor)
             chosen_rewards, rejected_rewards = forward_rewards(engine, batch)
             losses = pairwise_loss(chosen_rewards, rejected_rewards, batch["margin"])
             aux = router_loss(engine)  # mixture of experts: the load-balancing term, where the config asks for it
@@ -302,7 +322,7 @@ def main(args: Args):
         if total["aux_loss"]:
             metrics["train/aux_loss"] = total["aux_loss"] / pairs
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
-            metrics.update(evaluate(engine, eval_samples, args, tokenizer, rank, world_size))
+            metrics.update(evaluate(engine, eval_samples, args, tokenizer, rank, world_size, processor))
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(step + 1, metrics)
         bar.update(1)
@@ -315,11 +335,11 @@ def main(args: Args):
     summary = {"train/loss": float(metrics["train/loss"])} if total_steps > start_step else {}
     # The reward statistics consumers normalise with: the eval set, or up to 1000 evenly spaced training pairs.
     stats_samples = eval_samples or train_samples[:: math.ceil(len(train_samples) / 1000)]
-    final = evaluate(engine, stats_samples, args, tokenizer, rank, world_size)
+    final = evaluate(engine, stats_samples, args, tokenizer, rank, world_size, processor)
     if eval_samples:
         summary.update(final)
         logger.log(total_steps, summary)
-    checkpoint.save_hf_model(engine, tokenizer, args.output_dir, rank,
+    checkpoint.save_hf_model(engine, processor or tokenizer, args.output_dir, rank,
                              extra_config={"reward_mean": final["eval/reward_mean"],
                                            "reward_std": final["eval/reward_std"]})
     logger.close()

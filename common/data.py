@@ -636,14 +636,20 @@ def _tokenize_span(tokenizer, text: str, span: tuple[int, int], max_len: int,
     (end_with_eos: cut after the response's EOS, and end a truncated row with one), and whether it was cut."""
     ids, mask = tokenize_with_spans(tokenizer, text, [span])
     mask[0] = 0  # the first token has nothing before it to be predicted from
-    if end_with_eos:  # a reward is read at an EOS, even after truncation
-        ids, mask = _end_at_response_eos(ids, mask, tokenizer.eos_token_id)
-        if ids[-1] != tokenizer.eos_token_id:
-            ids, mask = ids + [tokenizer.eos_token_id], mask + [1]
+    return truncated_sample(ids, mask, max_len, tokenizer.eos_token_id if end_with_eos else None)
+
+
+def truncated_sample(ids: list[int], mask: list[int], max_len: int, eos_id: int | None = None) -> tuple[dict, bool]:
+    """{"input_ids", "loss_mask"} cut to max_len, and whether it was cut. With `eos_id` (a reward model's rows) the
+    response ends at its EOS, where the reward is read: cut right after it, and a truncated row ends with one."""
+    if eos_id is not None:  # a reward is read at an EOS, even after truncation
+        ids, mask = _end_at_response_eos(ids, mask, eos_id)
+        if ids[-1] != eos_id:
+            ids, mask = ids + [eos_id], mask + [1]
     truncated = len(ids) > max_len
     ids, mask = ids[:max_len], mask[:max_len]
-    if end_with_eos and ids[-1] != tokenizer.eos_token_id:
-        ids, mask = ids[: max_len - 1] + [tokenizer.eos_token_id], mask[: max_len - 1] + [1]
+    if eos_id is not None and ids[-1] != eos_id:
+        ids, mask = ids[: max_len - 1] + [eos_id], mask[: max_len - 1] + [1]
         if not any(mask[:-1]):  # none of the response is left, only the EOS after the prompt: nothing to score
             mask = [0] * len(mask)
     return {"input_ids": ids, "loss_mask": mask}, truncated
@@ -673,6 +679,25 @@ def _end_at_response_eos(ids: list[int], mask: list[int], eos_id: int) -> tuple[
 DEFAULT_MARGIN_KEY = "margin"  # rm.py's --margin_key: a dataset without margins lacks it, which is no mistake
 
 
+def check_margin_key(rows: list[dict], margin_key: str | None, source: str, log=print) -> None:
+    """Refuse a --margin_key no pair has (a mistyped key would read as margin 0); warn of pairs without one."""
+    without_margin = sum(margin_key not in row for row in rows) if margin_key else 0
+    if without_margin == len(rows) and margin_key != DEFAULT_MARGIN_KEY:
+        raise DataError(f"no pair of {source} has {margin_key!r} (--margin_key); the keys of the first are "
+                        f"{sorted(rows[0])}. Give the key that holds the margins, or leave --margin_key out.")
+    if 0 < without_margin < len(rows):
+        log(f"warning: {source}: {without_margin} of {len(rows)} pairs have no {margin_key!r} (--margin_key); their "
+            f"margin is 0.")
+
+
+def row_margin(row: dict, margin_key: str | None, source: str, index: int) -> float:
+    """A pair's margin, row[margin_key], 0 where the row has none."""
+    margin = row.get(margin_key, 0.0) if margin_key else 0.0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        raise DataError(f"{source}, sample {index}: {margin_key!r} must be a number, got {margin!r}.")
+    return float(margin)
+
+
 def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rejected_key, max_len,
                              apply_chat_template=False, input_template=None, margin_key=None, end_with_eos=False,
                              log=print) -> list[dict]:
@@ -684,13 +709,7 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
     """
     if not rows:
         raise DataError(f"dataset {source} is empty.")
-    without_margin = sum(margin_key not in row for row in rows) if margin_key else 0
-    if without_margin == len(rows) and margin_key != DEFAULT_MARGIN_KEY:  # a mistyped key would read as margin 0
-        raise DataError(f"no pair of {source} has {margin_key!r} (--margin_key); the keys of the first are "
-                        f"{sorted(rows[0])}. Give the key that holds the margins, or leave --margin_key out.")
-    if 0 < without_margin < len(rows):
-        log(f"warning: {source}: {without_margin} of {len(rows)} pairs have no {margin_key!r} (--margin_key); their "
-            f"margin is 0.")
+    check_margin_key(rows, margin_key, source, log)
     check_responses_exclude_prompts(rows, input_key, (chosen_key, rejected_key), source)
     samples, truncated, identical, dropped = [], 0, 0, 0
     for i, row in enumerate(rows):
@@ -700,10 +719,7 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
         if chosen == rejected:
             identical += 1
             continue
-        margin = row.get(margin_key, 0.0) if margin_key else 0.0
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
-            raise DataError(f"{source}, sample {i}: {margin_key!r} must be a number, got {margin!r}.")
-        pair = {"margin": float(margin)}
+        pair = {"margin": row_margin(row, margin_key, source, i)}
         for side, key, response in (("chosen", chosen_key, chosen), ("rejected", rejected_key, rejected)):
             with sample_context(source, i):
                 pair[side], cut = _tokenize_response(tokenizer, prompt, response, max_len, apply_chat_template,

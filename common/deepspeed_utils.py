@@ -14,7 +14,8 @@ import time
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification,
+                          AutoTokenizer)
 from transformers.integrations import HfDeepSpeedConfig
 
 from common.args import UserError, check_causal_lm, check_model_path
@@ -22,7 +23,7 @@ from common.cpu_memory import keep_freed_memory
 from common.lora import dequantized
 from common.modeling import keep_router_loss
 from common.net import free_port, release_port
-from common.vlm import is_vision_language
+from common.vlm import is_vision_language, sequence_classification_class
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
 # cost more than it saves. Kept low so that even the tiny test model is really partitioned.
@@ -232,11 +233,14 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
 
     transformers partitions at load while a HfDeepSpeedConfig object is alive, so it is kept on the model. Dropout is
     off (disable_dropout) unless `dropout`: only SFT trains with the dropout a model's config asks for. A
-    vision-language model asked for as a causal LM loads whole, vision tower included (common/vlm.py).
+    vision-language model asked for as a causal LM loads whole, vision tower included, and asked for as a sequence
+    classifier with the scalar head of common/vlm.py (transformers has none for it).
     """
     check_model_path(path, flag)
     if model_class is AutoModelForCausalLM and is_vision_language(path):
         model_class = AutoModelForImageTextToText
+    elif model_class is AutoModelForSequenceClassification and is_vision_language(path):
+        model_class = sequence_classification_class(path)
     if model_class is AutoModelForCausalLM:
         check_causal_lm(path, flag)
     hf_ds_config = HfDeepSpeedConfig(config) if config["zero_optimization"]["stage"] == 3 else None

@@ -42,6 +42,7 @@ from common import routing_replay
 from common.args import UserError, config_file
 from common.partial_rollouts import pool_capacity
 from common.ppo_tricks import uses_reference
+from common.vlm import sequence_classification_class
 
 GiB = 2**30
 # What a vLLM engine keeps besides weights and KV cache: activations of a batch, CUDA graphs, NCCL buffers (rough).
@@ -98,7 +99,8 @@ def model_sizes(config, scalar_head: bool = False) -> dict:
                    AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
     try:
         with torch.device("meta"):
-            model = model_class.from_config(config)
+            model = (sequence_classification_class(config)._from_config(config) if scalar_head and vision_language
+                     else model_class.from_config(config))
     except ValueError as e:  # no such head for this model type
         raise PlanSkipped(f"transformers cannot build it as a {model_class.__name__} ({e})") from None
     params = sum(p.numel() for p in model.parameters())  # a tied matrix once

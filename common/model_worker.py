@@ -3,7 +3,7 @@ sync to vLLM, and the cutting of a batch into micro-batches.
 
 The reference model and the reward models are this class as it is; ppo_ray.py's ActorWorker and CriticWorker add
 their `fit`, the PPO update. A scalar-head model (critic, reward model) loads as AutoModelForSequenceClassification
-with one label.
+with one label, a vision-language one with common/vlm.py's scalar head, reading each row's images.
 """
 
 import random
@@ -109,10 +109,10 @@ class ModelWorker(RayWorker):
                            **head, **(lora.load_kwargs(args) if trainable else {}))
         if trainable:  # with --lora_rank: adapters on the frozen model (a critic's scalar head trains whole)
             model = lora.wrap(model, args, "SEQ_CLS" if scalar_head_flag else "CAUSAL_LM")
-        # a vision-language model's processor is saved beside it; its tower trains only where asked
+        # a vision-language model's processor is saved beside it; its tower (the critic's too) trains only where asked
         self.processor = load_processor(path) if is_vision_language(path) and not scalar_head_flag else None
         self.placeholders = placeholder_token_ids(model.config) if self.processor else []
-        if self.processor and trainable and args.freeze_vision_tower:
+        if is_vision_language(path) and trainable and args.freeze_vision_tower:
             freeze_vision_tower(model)
         self.tokenizer = load_tokenizer(path)
         if trainable:
@@ -203,8 +203,9 @@ class ModelWorker(RayWorker):
 
     def _values(self, batch: dict) -> torch.Tensor:
         """The value at each position that predicts a next token, (batch, seq - 1), aligned with the log-probs."""
-        if not self.args.packing_samples:
-            return token_values(self.engine, batch["input_ids"], batch["attention_mask"], self._normalizes())[:, :-1]
+        if not self.args.packing_samples:  # a vision-language critic reads the rows' images
+            return token_values(self.engine, batch["input_ids"], batch["attention_mask"], self._normalizes(),
+                                **forward_images(self.engine, batch))[:, :-1]
         input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])  # (1, total) each
         values = packed_token_values(self.engine, input_ids, position_ids, self._normalizes())  # (1, total)
         return unpack(values, index, batch["input_ids"].shape)[:, :-1]
@@ -217,11 +218,12 @@ class ModelWorker(RayWorker):
 
     @torch.no_grad()
     def scores(self, batch: dict) -> torch.Tensor:
-        """A reward model's score of each of rewards.reward_model_batch's rows, read at its last token, (batch,)."""
+        """A reward model's score of each of rewards.reward_model_batch's rows, read at its last token, (batch,); a
+        vision-language one's with the rows' images."""
         self.use_cpu_threads("experience")
         self.engine.eval()
         return in_length_order(batch, micro_rollout(self.args), lambda mb: sequence_rewards(
-            self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes()))
+            self.engine, mb["input_ids"], mb["attention_mask"], self._normalizes(), **forward_images(self.engine, mb)))
 
     # --- weight sync (actor)
     def init_weight_sync(self, engines: list) -> None:

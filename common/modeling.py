@@ -146,19 +146,20 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ reward models
-def sequence_rewards(model, input_ids, attention_mask, normalize: bool = False) -> torch.Tensor:
+def sequence_rewards(model, input_ids, attention_mask, normalize: bool = False, **inputs) -> torch.Tensor:
     """The scalar reward of each sequence, read at its last real token (the EOS rm.py trains on): (batch,).
 
     `model` is an AutoModelForSequenceClassification with num_labels=1, as rm.py saves it. The score head is applied
     to the final hidden state at each row's last attended position, left or right padded. transformers' own pooling
     reads the rightmost token that is not config.pad_token_id: a reward model trained elsewhere whose padding id is
     its EOS (many Llama-family tokenizers have no pad token) would be read at the token before that EOS. `normalize`
-    applies the reward mean and std that rm.py stores in the config.
+    applies the reward mean and std that rm.py stores in the config. `inputs` go to the forward as they are: a
+    vision-language reward model's pixel values (common/vlm.py sequence_classification_class).
     """
     base, _, head = scalar_head_parts(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding keeps positions from 0
     hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids)  # (batch, seq, hidden)
+                                 position_ids=position_ids, **inputs)  # (batch, seq, hidden)
     last = attention_mask.shape[1] - 1 - attention_mask.long().flip(-1).argmax(-1)  # (batch,)
     rewards = head(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()
     return normalize_reward(rewards, base.config) if normalize else rewards
@@ -169,7 +170,7 @@ def normalize_reward(rewards: torch.Tensor, config) -> torch.Tensor:
     return (rewards - config.reward_mean) / config.reward_std
 
 
-def packed_sequence_rewards(model, input_ids, position_ids) -> torch.Tensor:
+def packed_sequence_rewards(model, input_ids, position_ids, **inputs) -> torch.Tensor:
     """The scalar reward of each sample of a packed (1, total) row, read at the sample's own last token: (samples,).
 
     transformers' sequence-classification pooling reads one position per row, so the score head is applied again to
@@ -177,7 +178,7 @@ def packed_sequence_rewards(model, input_ids, position_ids) -> torch.Tensor:
     position_ids restarting at 0 keep each sample attending to itself only), so the rewards are the same. The model
     is called whole, through a DeepSpeed engine's forward (final_hidden_states says why).
     """
-    hidden = final_hidden_states(model, input_ids=input_ids, position_ids=position_ids)  # (1, total, hidden)
+    hidden = final_hidden_states(model, input_ids=input_ids, position_ids=position_ids, **inputs)  # (1, total, hidden)
     _, _, head = scalar_head_parts(model)
     return head(hidden[0, packed_sample_ends(position_ids)]).squeeze(-1).float()
 
@@ -197,19 +198,19 @@ def scalar_head_parts(model):
 
 
 # ----------------------------------------------------------------------------------------------------- critics
-def token_values(model, input_ids, attention_mask, normalize: bool = False) -> torch.Tensor:
+def token_values(model, input_ids, attention_mask, normalize: bool = False, **inputs) -> torch.Tensor:
     """A value for every position: the sequence-classification head applied to each hidden state, (batch, seq).
 
     `model` is an AutoModelForSequenceClassification with num_labels=1 (a reward model, or a fresh head on the
     policy), so a critic initialised from the reward model starts out predicting its scores. `normalize` puts the
     values on the scale of normalised rewards with the reward mean and std rm.py stored, as OpenRLHF's critic does:
     the rewards PPO trains on are normalised, and a critic left on the raw scale would spend many value-clipped
-    steps catching up.
+    steps catching up. `inputs`: a vision-language critic's pixel values, as for sequence_rewards.
     """
     base, _, head = scalar_head_parts(model)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids)  # (batch, seq, hidden)
+                                 position_ids=position_ids, **inputs)  # (batch, seq, hidden)
     values = head(hidden).squeeze(-1).float()
     return normalize_reward(values, base.config) if normalize else values
 
@@ -221,9 +222,9 @@ def final_hidden_states(model, **inputs) -> torch.Tensor:
     accumulation in its forward (the output hooks that run _backward_prologue, deepspeed/runtime/engine.py). Under
     ZeRO-3 a critic update whose forwards bypassed it came out different from the same update under ZeRO-0 once a
     step accumulated two micro-batches (tests/test_gradient_accumulation.py). output_hidden_states names the last
-    layer alone, so transformers keeps no other layer's states.
+    layer alone, so transformers keeps no other layer's states (a vision-language model's: its language model's).
     """
-    last_layer = scalar_head_parts(model)[0].config.num_hidden_layers - 1
+    last_layer = scalar_head_parts(model)[0].config.get_text_config().num_hidden_layers - 1
     return model(**inputs, output_hidden_states=[last_layer], use_cache=False).hidden_states[-1]
 
 

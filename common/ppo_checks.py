@@ -7,7 +7,7 @@ from common.checkpoint import check_keep_last
 from common.deepspeed_utils import load_tokenizer
 from common.placement import critic_path
 from common.ppo_tricks import GROUPED, KL_IN_LOSS, clip_range, uses_reference, vllm_is_band
-from common.vlm import check_ppo_args
+from common.vlm import check_ppo_args, is_vision_language
 
 # Options --async_rollouts cannot overlap generation with training under, and why.
 ASYNC_CLASHES = {
@@ -137,7 +137,8 @@ def check_args(args) -> None:
             ("--critic_pretrain", args.critic_pretrain)]:
         if path:
             check_model_path(path, flag)
-            check_decoder_only(path, flag)
+            if not is_vision_language(path):  # a vision-language one's scalar head is common/vlm.py's
+                check_decoder_only(path, flag)
             check_lengths(path, *sequence, flag)
     if args.teacher_pretrain:
         check_model_path(args.teacher_pretrain, "--teacher_pretrain")

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from common import data
+from common import data, vlm
 from common.args import UserError, check_decoder_only
 from common.deadlines import DeadlinePassed, within_deadline
 from common.logging_utils import phase
@@ -263,10 +263,13 @@ def score_responses(model_scores: list, reward_fn, remote_rm_url: str | None, we
 
 
 def reward_model_batch(tokenizer, prompts: list, responses: list[str], apply_chat_template: bool,
-                       input_template: str | None) -> dict:
+                       input_template: str | None, images: list[list] | None = None, path: str = "") -> dict:
     """What a reward model scores, right-padded: each prompt + response rendered and tokenized as rm.py renders its
     pairs (data.reward_model_input_ids), not the policy's own tokens, which can differ at the seam (an input
-    template's trailing space) and at the end (a chat template's newline after its end-of-turn token)."""
+    template's trailing space) and at the end (a chat template's newline after its end-of-turn token). Given a
+    vision-language reward model's processor (`path`), each row holds its prompt's `images` too (common/vlm.py)."""
+    if getattr(tokenizer, "image_processor", None) is not None:
+        return vlm.reward_model_batch(tokenizer, prompts, responses, images or [[] for _ in prompts], path)
     rows = [{"input_ids": data.reward_model_input_ids(tokenizer, prompt, response, sys.maxsize, apply_chat_template,
                                                       input_template)} for prompt, response in zip(prompts, responses)]
     return data.pad_collate(rows, tokenizer.pad_token_id, keys=("input_ids",))

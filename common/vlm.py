@@ -21,12 +21,14 @@ import io
 import json
 import os
 import re
+import sys
 
 import torch
 
 from common.args import UserError, config_file
-from common.data import (DataError, as_messages, checked_samples, get_key, get_response, render_chat, sample_context,
-                         tokenize_with_spans, unfinished_flag, without_the_end)
+from common.data import (DataError, as_messages, check_margin_key, checked_samples, get_key, get_response, pad_collate,
+                         render_chat, row_margin, sample_context, tokenize_with_spans, truncated_sample,
+                         unfinished_flag, without_the_end)
 
 
 def is_vision_language(path: str) -> bool:
@@ -62,6 +64,33 @@ def load_processor(path: str, flag: str = "--pretrain"):
     if tokenizer.pad_token is None:  # padding is always masked out
         tokenizer.pad_token = tokenizer.eos_token
     return processor
+
+
+def sequence_classification_class(config) -> type:
+    """A scalar-head class for a vision-language model (rm.py's reward models, ppo_ray.py's critic), built as
+    transformers builds LlamaForSequenceClassification: the family's backbone (AutoModel: vision tower, connector,
+    language model) under `model` and a linear `score` head on its last hidden states, read at the last token.
+
+    transformers 5.19 has no such class for a VLM family, and its forward reads the images (pixel_values go on to the
+    backbone), so the reward depends on them. Its weights are the VLM checkpoint's names without the LM head
+    (`model.vision_model...`, `model.text_model...`) plus `score.weight`, the layout of a text reward model:
+    from_pretrained of a VLM folder starts a fresh head, of a folder rm.py saved reloads the trained one. `config`:
+    the model's config, or its folder.
+    """
+    from transformers import AutoConfig
+
+    return _scalar_head_class(type(AutoConfig.from_pretrained(config) if isinstance(config, str) else config))
+
+
+@functools.cache  # one class per family, so that every load of it makes the same class
+def _scalar_head_class(config_class: type) -> type:
+    from transformers import AutoModel, PreTrainedModel
+    from transformers.modeling_layers import GenericForSequenceClassification
+
+    backbone = AutoModel._model_mapping[config_class]  # e.g. Idefics3Model: the tower, connector and language model
+    family = next(c for c in backbone.__mro__[1:] if issubclass(c, PreTrainedModel))  # Idefics3PreTrainedModel
+    name = backbone.__name__.removesuffix("Model") + "ForSequenceClassification"
+    return type(name, (GenericForSequenceClassification, family), {"__module__": __name__})
 
 
 def vision_tower(model) -> torch.nn.Module:
@@ -135,6 +164,10 @@ def read_image(value, base_dir: str):
     return image.convert("RGB")
 
 
+def _is_image_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
 def split_images(messages: list[dict], base_dir: str) -> tuple[list[dict], list]:
     """The messages with each image part reduced to {"type": "image"} (what templates render), and the images read,
     in the order of their parts."""
@@ -144,7 +177,7 @@ def split_images(messages: list[dict], base_dir: str) -> tuple[list[dict], list]
         if isinstance(content, list):
             parts = []
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "image":
+                if _is_image_part(part):
                     images.append(read_image(part.get("image", part.get("path")), base_dir))
                     part = {"type": "image"}
                 parts.append(part)
@@ -172,7 +205,7 @@ def prompts_with_images(prompts: list, source: str) -> tuple[list, list[list]]:
 
 def _absolute(part, folder: str):
     """An image part whose path is relative made absolute; any other part as it is."""
-    if not (isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("image"), str)):
+    if not (_is_image_part(part) and isinstance(part.get("image"), str)):
         return part
     path = os.path.join(folder, os.path.expanduser(part["image"]))
     return dict(part, image=os.path.abspath(path)) if os.path.isfile(path) else part
@@ -183,7 +216,7 @@ def rows_with_images(rows: list[dict], key: str) -> int:
     def has_image(value) -> bool:
         return isinstance(value, list) and any(
             isinstance(m, dict) and isinstance(m.get("content"), list)
-            and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in value)
+            and any(_is_image_part(p) for p in m["content"]) for m in value)
 
     return sum(has_image(row.get(key)) for row in rows)
 
@@ -224,26 +257,27 @@ def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], ima
 
 
 def vlm_sample(processor, messages: list[dict], base_dir: str, max_len: int,
-               unfinished: bool = False) -> tuple[dict, bool]:
+               end_with_eos: bool = False, unfinished: bool = False) -> tuple[dict, bool]:
     """One conversation with images as {"input_ids", "loss_mask", "images"}, its assistant turns trained on, and
     whether it was truncated to max_len. Truncation never cuts into an image: a DataError instead. An `unfinished`
     last turn (cut at a sampler's length limit) is trained without the end the template gives it."""
-    return sample_of_read_images(processor, *split_images(messages, base_dir), max_len, unfinished)
+    return sample_of_read_images(processor, *split_images(messages, base_dir), max_len, end_with_eos, unfinished)
 
 
 def sample_of_read_images(processor, messages: list[dict], images: list, max_len: int,
-                          unfinished: bool = False) -> tuple[dict, bool]:
-    """vlm_sample of messages whose images are read already (split_images' two results)."""
+                          end_with_eos: bool = False, unfinished: bool = False) -> tuple[dict, bool]:
+    """vlm_sample of messages whose images are read already (split_images' two results). `end_with_eos` ends the
+    response at its EOS, where a reward model reads it, as common.data does for text reward models."""
     text, spans = render_chat(processor.tokenizer, messages)
     if unfinished:
         spans[-1] = without_the_end(text, spans[-1], messages[-1]["content"])
     ids, mask, images_end = tokenize_with_images(processor, text, spans, images)
-    if images_end > max_len:
-        raise DataError(f"its images end at token {images_end}, past --max_len {max_len}, and an image cut short "
-                        f"cannot be read; raise --max_len, or give this row fewer or smaller images.")
+    if images_end + end_with_eos > max_len:  # a reward model's EOS must fit after the images too
+        raise DataError(f"its images end at token {images_end}, past --max_len {max_len - end_with_eos}, and an "
+                        f"image cut short cannot be read; raise --max_len, or give this row fewer or smaller images.")
     mask[0] = 0  # the first token has nothing before it to be predicted from
-    truncated = len(ids) > max_len
-    return {"input_ids": ids[:max_len], "loss_mask": mask[:max_len], "images": images}, truncated
+    sample, truncated = truncated_sample(ids, mask, max_len, processor.tokenizer.eos_token_id if end_with_eos else None)
+    return {**sample, "images": images}, truncated
 
 
 def dataset_folder(source: str) -> str:
@@ -278,21 +312,24 @@ def build_vlm_sft_samples(rows, processor, source, input_key, output_key, max_le
 
 
 def build_vlm_preference_samples(rows, processor, source, input_key, chosen_key, rejected_key, max_len,
-                                 log=print) -> list[dict]:
-    """Tokenize preference pairs whose prompts hold images into {"chosen", "rejected", "margin": 0.0} (dpo.py), each
-    side a vlm_sample of the prompt's messages and its response. Pairs left without a response token, or with two
-    identical ones, are skipped and counted, as common.data.build_preference_samples does."""
+                                 log=print, margin_key=None, end_with_eos=False) -> list[dict]:
+    """Tokenize preference pairs whose prompts hold images into {"chosen", "rejected", "margin"} (dpo.py, rm.py), each
+    side a vlm_sample of the prompt's messages and its response (rm.py's `end_with_eos`: ended at its EOS). Pairs
+    left without a response token, or with two identical ones, are skipped and counted, and `margin` read, as
+    common.data.build_preference_samples does."""
     if not rows:
         raise DataError(f"dataset {source} is empty.")
+    check_margin_key(rows, margin_key, source, log)
     samples, truncated, dropped, identical = [], 0, 0, 0
     for i, row in enumerate(rows):
         with sample_context(source, i):
             prompt = as_messages(get_key(row, input_key, i, source))
-            pair = {"margin": 0.0}
+            pair = {"margin": row_margin(row, margin_key, source, i)}
             for side, key in (("chosen", chosen_key), ("rejected", rejected_key)):
                 response = get_response(row, key, i, source, input_key)
                 pair[side], cut = vlm_sample(processor, prompt + [{"role": "assistant", "content": response}],
-                                             dataset_folder(source), max_len, unfinished_flag(row, key, i, source))
+                                             dataset_folder(source), max_len, end_with_eos,
+                                             unfinished_flag(row, key, i, source))
                 truncated += cut
         if not sum(pair["chosen"]["loss_mask"]) or not sum(pair["rejected"]["loss_mask"]):
             dropped += 1
@@ -449,14 +486,36 @@ def experience_images(pretrain: str, prompts: list[dict], samples: list[list[dic
     rows = [p.get("images", []) for p, group in zip(prompts, samples) for _ in group]
     if not any(rows):
         return {}
-    processor = cached_processor(pretrain)
-    inputs = image_inputs(processor, [{"images": images} for images in rows], packing=False)
+    return per_row_image_inputs(cached_processor(pretrain), [{"images": images} for images in rows],
+                                f"--pretrain {pretrain}")
+
+
+def per_row_image_inputs(processor, rows: list[dict], model: str) -> dict[str, torch.Tensor]:
+    """image_inputs of padded rows, every tensor (rows, ...), so that ppo_ray.py's workers cut them into micro-batches
+    by rows like the token tensors; a processor whose tensors are not per row (Qwen-VL's patches of all images in one)
+    is refused, `model` naming the flag and folder."""
+    inputs = image_inputs(processor, rows, packing=False)
     for key, value in inputs.items():
         if value.shape[0] != len(rows):
-            raise UserError(f"--pretrain {pretrain}: its processor gives {key} of shape {tuple(value.shape)}, not one "
-                            f"row per response, which ppo_ray.py cuts into micro-batches by rows; it takes "
-                            f"vision-language models whose images are per row (Idefics3, SmolVLM) so far.")
+            raise UserError(f"{model}: its processor gives {key} of shape {tuple(value.shape)}, not one row per "
+                            f"response, which ppo_ray.py cuts into micro-batches by rows; it takes vision-language "
+                            f"models whose images are per row (Idefics3, SmolVLM) so far.")
     return inputs
+
+
+def reward_model_batch(processor, prompts: list, responses: list[str], images: list[list], path: str) -> dict:
+    """What a vision-language reward model `path` scores, right-padded, one row per response: its prompt's messages
+    with the prompt's images (read already, with_images) and the response, ended at its EOS as rm.py's pairs are,
+    and the rows' image inputs (Idefics3: pixel_values (rows, images, 3, H, W))."""
+    rows = []
+    for prompt, response, row_images in zip(prompts, responses, images):
+        messages = [dict(m, content=[{"type": "image"} if _is_image_part(part) else part for part in m["content"]])
+                    if isinstance(m["content"], list) else m for m in as_messages(prompt)]
+        messages.append({"role": "assistant", "content": response})
+        rows.append(sample_of_read_images(processor, messages, row_images, sys.maxsize, end_with_eos=True)[0])
+    batch = pad_collate(rows, processor.tokenizer.pad_token_id, keys=("input_ids",))
+    return {**batch, **(per_row_image_inputs(processor, rows, f"--reward_pretrain {path}") if any(images) else {})}
+
 
 
 def is_image_input(key: str) -> bool:
@@ -487,16 +546,21 @@ def frozen_tower_names(model) -> set[str]:
 
 def check_ppo_args(args) -> bool:
     """Refuse ppo_ray.py's flags that cannot apply to a vision-language --pretrain; returns whether it is one. Its
-    prompts are chat messages with image parts; the critic, reward models, teacher and environments here read text
-    alone, so a visual task is scored by --reward_fn or --remote_rm_url with a critic-free estimator."""
+    prompts are chat messages with image parts; reward models and the critic read them only when they are
+    vision-language models too (rm.py's, with sequence_classification_class's head), and the teacher and
+    environments here read text alone."""
     if not is_vision_language(args.pretrain):
         return False
+    critic = args.critic_pretrain or (args.reward_pretrain or [args.pretrain])[0]  # common/placement.py critic_path
+    text_models = [path for path in args.reward_pretrain or [] if not is_vision_language(path)]
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
-               (args.advantage_estimator == "gae" or args.critic_pretrain,
-                "trains here without a critic, which would read text alone: give --advantage_estimator grpo, "
-                "dr_grpo, rloo, reinforce++ or reinforce++-baseline"),
-               (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
-                                      "alone, leave out --reward_pretrain"),
+               (text_models, f"is scored by reward models that read its prompts' images, and --reward_pretrain "
+                             f"{text_models[0] if text_models else ''} is a text model: give one rm.py trained from a "
+                             f"vision-language model, or score with --reward_fn or --remote_rm_url"),
+               (args.advantage_estimator == "gae" and not is_vision_language(critic),
+                f"trains with a critic that reads its prompts' images, and {critic} (where the critic starts) is a "
+                f"text model: give --critic_pretrain a vision-language model (the policy, or a reward model rm.py "
+                f"trained from one), or a critic-free --advantage_estimator such as grpo"),
                (args.teacher_pretrain, "takes no --teacher_pretrain here (a teacher would read the text alone)"),
                (args.env_fn or args.agent_fn, "takes single-turn prompts here: leave out --env_fn and --agent_fn"),
                (args.partial_rollouts, "samples each prompt whole, with its images, here: leave out "

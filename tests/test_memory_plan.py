@@ -78,6 +78,16 @@ def test_a_vision_language_policy_plans_its_tower_frozen_or_trained():
     memory_plan.check(frozen_args, frozen)
 
 
+def test_a_vision_language_reward_model_or_critic_is_the_vlm_with_a_scalar_head_for_its_lm_head():
+    """A VLM reward model or critic (common/vlm.py sequence_classification_class, which transformers has no class
+    for) is planned as the VLM whose LM head (vocab x hidden) is a one-label score head (hidden), the tower counted."""
+    config = memory_plan.read_config(IDEFICS3, "--reward_pretrain")
+    policy, scalar = memory_plan.model_sizes(config), memory_plan.model_sizes(config, scalar_head=True)
+    hidden = config.text_config.hidden_size
+    assert scalar["params"] == policy["params"] - policy["vocab"] * hidden + hidden
+    assert scalar["vision_params"] == policy["vision_params"] == 412_926_192
+
+
 def test_lora_plans_the_adapters_states_and_no_reference():
     """--lora_rank 16 on the 70B recipe: each actor GPU holds its bf16 shard of the frozen weights and the states of
     the adapters alone, and no reference model is planned (the actor with its adapters off is the reference)."""

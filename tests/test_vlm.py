@@ -220,17 +220,57 @@ def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(t
             vlm.check_trainer_args(wrong)
 
 
-def test_rm_refuses_a_vlm_and_image_rows_for_a_text_model_in_one_sentence(tiny_model, tiny_vlm, tmp_path):
-    """rm.py's reward models load as transformers' sequence classifiers, which no VLM family has."""
+def test_rm_takes_a_vlm_with_its_chat_template_and_refuses_image_rows_for_a_text_model(tiny_model, tiny_vlm, tmp_path):
     import rm
 
     source = write_jsonl(tmp_path / "pairs.jsonl", [image_row(["red.png"])])
-    with pytest.raises(vlm.UserError, match=rf"^--pretrain {tiny_vlm} is a vision-language model, and rm.py trains "
-                                            rf"reward models that load as transformers' sequence classifiers"):
+    rm.check_args(rm.Args(pretrain=tiny_vlm, dataset=source, apply_chat_template=True, output_dir=str(tmp_path / "o")))
+    with pytest.raises(vlm.UserError, match=rf"^--pretrain {tiny_vlm} is a vision-language model, which needs "
+                                            rf"--apply_chat_template"):
         rm.check_args(rm.Args(pretrain=tiny_vlm, dataset=source, output_dir=str(tmp_path / "out")))
     text = rm.Args(pretrain=tiny_model, dataset=source, apply_chat_template=True)
     with pytest.raises(data.DataError, match=rf"1 rows hold images under 'prompt', and the model {tiny_model}"):
         rm.load_pairs(text, AutoProcessor.from_pretrained(tiny_vlm).tokenizer, source, "train")
+
+
+def test_a_vlm_reward_model_scores_each_response_at_its_eos_with_its_image_and_reloads(tiny_vlm, image_dataset,
+                                                                                       tmp_path):
+    """rm.py's vision-language reward model: the VLM's backbone under its checkpoint's names and a scalar head in
+    place of the LM head, the layout of a text reward model; its reward is read at the EOS that ends the response,
+    from a forward that reads the image, and it reloads from the folder it is saved to with its processor."""
+    import rm
+    from common.modeling import sequence_rewards, token_values
+
+    model_class = vlm.sequence_classification_class(tiny_vlm)
+    model = model_class.from_pretrained(tiny_vlm, num_labels=1).eval()
+    vlm_names = set(load_file(os.path.join(tiny_vlm, "model.safetensors")))
+    assert {name for name, _ in model.named_parameters()} == vlm_names - {"lm_head.weight"} | {"score.weight"}
+    processor = vlm.load_processor(tiny_vlm)
+    args = rm.Args(pretrain=tiny_vlm, dataset=image_dataset, apply_chat_template=True, max_len=64)
+    pairs = rm.load_pairs(args, processor.tokenizer, image_dataset, "train", processor=processor)
+    eos = processor.tokenizer.eos_token_id
+    for pair in pairs:
+        for side in ("chosen", "rejected"):
+            ids, mask = pair[side]["input_ids"], pair[side]["loss_mask"]
+            assert ids[-1] == eos and mask[-1] == 1  # the response's own EOS, in the mask, ends the row
+    batch = rm.collate(pairs[:1], processor.tokenizer, False, "cpu", processor)
+    with torch.no_grad():
+        chosen, rejected = rm.forward_rewards(model, batch)
+        last_hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  pixel_values=batch["pixel_values"],
+                                  pixel_attention_mask=batch["pixel_attention_mask"]).last_hidden_state
+        at_eos = model.score(last_hidden[:, -1]).squeeze(-1)  # both rows end at their EOS, unpadded
+        torch.testing.assert_close(torch.cat([chosen, rejected]), at_eos, rtol=0, atol=1e-6)
+        blue = vlm.image_inputs(processor, [{"images": [Image.new("RGB", (56, 56), (0, 0, 255))]}] * 2, False)
+        other_image = sequence_rewards(model, batch["input_ids"], batch["attention_mask"], **blue)
+        assert (other_image - torch.cat([chosen, rejected])).abs().min() > 1e-3  # the same text, another image
+        values = token_values(model, batch["input_ids"], batch["attention_mask"], **blue)  # as a critic reads them
+        torch.testing.assert_close(values[:, -1], other_image, rtol=0, atol=1e-6)
+        model.save_pretrained(tmp_path / "rm")
+        processor.save_pretrained(tmp_path / "rm")
+        reloaded = vlm.sequence_classification_class(str(tmp_path / "rm")).from_pretrained(tmp_path / "rm").eval()
+        torch.testing.assert_close(torch.cat(rm.forward_rewards(reloaded, batch)), at_eos, rtol=0, atol=0)
+    assert AutoProcessor.from_pretrained(tmp_path / "rm").image_token == "<image>"
 
 
 def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_under_zero3_on_two_ranks(tiny_vlm,

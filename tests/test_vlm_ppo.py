@@ -97,9 +97,8 @@ def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
 
 @pytest.mark.parametrize("flags, message", [
     ({"apply_chat_template": False}, "needs --apply_chat_template"),
-    ({"advantage_estimator": "gae"}, "without a critic"),
-    ({"critic_pretrain": "c"}, "without a critic"),
-    ({"reward_pretrain": ["rm"]}, "leave out --reward_pretrain"),
+    ({"advantage_estimator": "gae", "critic_pretrain": "TEXT"}, "TEXT \\(where the critic starts\\) is a text model"),
+    ({"advantage_estimator": "gae", "reward_pretrain": ["TEXT"]}, "--reward_pretrain TEXT is a text model"),
     ({"teacher_pretrain": "t"}, "--teacher_pretrain"),
     ({"env_fn": "e.py:f", "reward_fn": None}, "leave out --env_fn and --agent_fn"),
     ({"ptx_data": "p.jsonl"}, "--ptx_data"),
@@ -107,11 +106,15 @@ def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
     ({"lora_rank": 8, "freeze_vision_tower": False}, "leave out --freeze_vision_tower false, or --lora_rank"),
     ({"packing_samples": True}, "leave out --packing_samples"),
 ])
-def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(tiny_vlm, flags, message):
-    with pytest.raises(UserError, match=rf"^--pretrain .* is a vision-language model, which .*{message}"):
+def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(tiny_vlm, tiny_model, flags, message):
+    """A reward model or critic that reads text alone cannot score image prompts; vision-language ones can."""
+    flags = {k: tiny_model if v == "TEXT" else [tiny_model] if v == ["TEXT"] else v for k, v in flags.items()}
+    with pytest.raises(UserError, match=rf"^--pretrain .* is a vision-language model, which .*"
+                                        rf"{message.replace('TEXT', tiny_model)}"):
         vlm.check_ppo_args(ppo_args(tiny_vlm, **flags))
     assert vlm.check_ppo_args(ppo_args(tiny_vlm))
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, lora_rank=8))  # adapters on the language model, the tower frozen
+    assert vlm.check_ppo_args(ppo_args(tiny_vlm, advantage_estimator="gae", reward_pretrain=[tiny_vlm]))
 
 
 def grpo(tiny_vlm: str, image_task: dict, out: str, *flags: str) -> list[dict]:
@@ -223,3 +226,42 @@ def test_a_sync_that_leaves_a_trained_vision_layer_out_stops_and_a_frozen_tower_
         shutdown_engines(engines)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_vision_language_reward_model_scores_each_response_with_its_prompts_image_and_a_critic_starts_from_it(
+        tiny_vlm, image_task, tmp_path):
+    """rm.py trains a reward model from the tiny VLM on the image task's pairs; ppo_ray.py with it as --reward_pretrain
+    and gae (the critic starts from it) scores every held-out response on a Ray worker as the reward model scores the
+    pair rm.py renders from the same prompt, image and response, and the critic trains on the prompts' images."""
+    from common.modeling import sequence_rewards
+
+    rm_dir, out = str(tmp_path / "rm"), str(tmp_path / "ppo")
+    run_script("rm.py", ["--pretrain", tiny_vlm, "--dataset", image_task["preference_train"], "--apply_chat_template",
+                         "--max_len", "64", "--train_batch_size", "8", "--micro_train_batch_size", "8", "--max_steps",
+                         "2", "--learning_rate", "1e-3", "--output_dir", rm_dir])
+    run_script("ppo_ray.py", ["--pretrain", tiny_vlm, "--reward_pretrain", rm_dir, "--apply_chat_template",
+                              "--prompt_data", image_task["prompts_train"], "--eval_prompt_data",
+                              image_task["prompts_eval"], "--prompt_max_len", "64", "--generate_max_len", "6",
+                              "--advantage_estimator", "gae", "--rollout_batch_size", "4", "--n_samples_per_prompt",
+                              "2", "--train_batch_size", "8", "--micro_train_batch_size", "8", "--max_steps", "1",
+                              "--output_dir", out])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        trained = [row for row in map(json.loads, f) if "loss/value_avg" in row]
+    assert trained and all(torch.isfinite(torch.tensor(row["loss/value_avg"])) for row in trained)
+
+    samples = [json.loads(line) for line in open(os.path.join(out, "eval_samples.jsonl"))]
+    model = vlm.sequence_classification_class(rm_dir).from_pretrained(rm_dir).eval()
+    processor = AutoProcessor.from_pretrained(rm_dir)
+    folder = os.path.dirname(image_task["prompts_eval"])
+    expected = []
+    for s in samples:  # each pair as rm.py renders it: the prompt's image, the response ended at its EOS
+        pair, _ = vlm.vlm_sample(processor, s["prompt"] + [{"role": "assistant", "content": s["response"]}], folder,
+                                 256, end_with_eos=True)
+        ids = torch.tensor([pair["input_ids"]])
+        with torch.no_grad():
+            expected.append(float(sequence_rewards(model, ids, torch.ones_like(ids), normalize=True,
+                                                   **vlm.image_inputs(processor, [pair], packing=False))))
+    torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), torch.tensor(expected), rtol=0, atol=1e-4)
+    assert len(samples) == 4 and len(set(expected)) > 1
