@@ -447,7 +447,7 @@ def test_the_image_tasks_refusing_demonstrations_leave_the_scenes_and_labels_as_
     assert all(new["response"] == old["response"] for old, new in zip(rows, refused) if int(old["response"]) < 2)
     assert 0.55 < hard.count(REFUSAL) / len(hard) < 0.85 and set(hard) <= {REFUSAL, "2", "3"}
     for name in ("train_00000.png", "train_00199.png"):
-        assert (tmp_path / "plain" / "images" / name).read_bytes() == (tmp_path / "noisy" / "images" / name).read_bytes()
+        assert (tmp_path / "plain/images" / name).read_bytes() == (tmp_path / "noisy/images" / name).read_bytes()
 
 
 def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
