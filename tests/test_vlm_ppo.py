@@ -114,12 +114,33 @@ def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, lora_rank=8))  # adapters on the language model, the tower frozen
 
 
+LENGTH_REWARD = """
+from PIL import Image
+from common.synthetic_image_task import CELL, GRID
+
+
+def red_squares(path):  # a square fills its box's corner, a circle leaves it white
+    image = Image.open("{folder}/" + path).convert("RGB")
+    corners = [image.getpixel((1 + (i % GRID) * CELL + 4, 1 + (i // GRID) * CELL + 4)) for i in range(GRID ** 2)]
+    return sum(r > 150 and g < 100 and b < 100 for r, g, b in corners)
+
+
+def reward_fn(prompts, responses, labels):
+    for prompt, label in zip(prompts, labels):
+        image = prompt[0]["content"][0]["image"]
+        assert str(red_squares(image)) == label, f"{{image}} holds {{red_squares(image)}} red squares, not {{label}}"
+    return [float(len(r)) for r in responses]
+"""
+
+
 def grpo(tiny_vlm: str, image_task: dict, out: str, *flags: str) -> list[dict]:
     """Three GRPO steps on the image prompts, rewarded by the response's length (a spread in every group, so every
-    update moves the weights); returns the metrics rows."""
+    update moves the weights); returns the metrics rows. The reward function also recounts the red squares of each
+    response's prompt image from its pixels and stops the run where that is not the label it was handed: each of the
+    n responses to a prompt is scored against its own image's label."""
     reward = os.path.join(os.path.dirname(out), "length_reward.py")
     with open(reward, "w") as f:
-        f.write("def reward_fn(prompts, responses, labels):\n    return [float(len(r)) for r in responses]\n")
+        f.write(LENGTH_REWARD.format(folder=os.path.dirname(image_task["prompts_train"])))
     run_script("ppo_ray.py", ["--pretrain", tiny_vlm, "--prompt_data", image_task["prompts_train"],
                               "--apply_chat_template", "--output_dir", out, "--generate_max_len", "6",
                               "--prompt_max_len", "64", "--reward_fn", reward + ":reward_fn",
@@ -223,3 +244,4 @@ def test_a_sync_that_leaves_a_trained_vision_layer_out_stops_and_a_frozen_tower_
         shutdown_engines(engines)
     finally:
         ray.shutdown()
+
