@@ -8,7 +8,8 @@ files beside the JSONL rows that name them by relative path.
 
     python -m common.synthetic_image_task --out /tmp/image_task     # the files listed in write_image_task()
 
-Not yet measured: how far the tiny VLM's SFT and GRPO learn it (the learning test and demo stage of issue 55).
+With --refusal_rate 0.7 the SFT of `make demo-vlm` answers about half the held-out scenes and GRPO removes the habit
+(seed 0: 53% -> 74%; docs/vlm.md).
 """
 
 import argparse
