@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup setup-real test test-fast test-extended test-families test-real mutation demo demo-real gpu-smoke gpu-trainers wheelhouse bench lint clean
+.PHONY: setup setup-real test test-fast test-extended test-families test-real mutation demo demo-vlm demo-real gpu-smoke gpu-trainers wheelhouse bench lint clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,11 @@ test-real: setup-real
 
 demo: setup
 	$(PY) launch/demo.py --out out/demo
+
+# A tiny vision-language model on the image task (launch/demo_vlm.py): SFT on demonstrations that refuse the harder
+# scenes, then GRPO with the rule reward; held-out accuracy base -> SFT -> GRPO (docs/vlm.md).
+demo-vlm: setup
+	$(PY) launch/demo_vlm.py --out out/demo_vlm
 
 # GRPO with a reward for right answers alone makes the real chat model of `make test-real` answer single-digit sums
 # right (launch/demo_real.py): held-out answers before and after, the curve; ~5 minutes on 2 unshared cores (262 s

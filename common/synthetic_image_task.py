@@ -8,7 +8,8 @@ files beside the JSONL rows that name them by relative path.
 
     python -m common.synthetic_image_task --out /tmp/image_task     # the files listed in write_image_task()
 
-Not yet measured: how far the tiny VLM's SFT and GRPO learn it (the learning test and demo stage of issue 55).
+With --refusal_rate 0.7 the SFT of `make demo-vlm` answers about half the held-out scenes and GRPO removes the habit
+(seed 0: 53% -> 74%; docs/vlm.md).
 """
 
 import argparse
@@ -17,6 +18,8 @@ import os
 import random
 
 from PIL import Image, ImageDraw
+
+from common.synthetic_task import REFUSAL
 
 QUESTION = "How many red squares?"
 GRID, CELL = 3, 18  # 3 x 3 cells of 18 pixels, drawn from pixel 1: a 56 x 56 image
@@ -51,11 +54,17 @@ def prompt(image_path: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "image": image_path}, {"type": "text", "text": QUESTION}]}]
 
 
-def write_image_task(out: str, seed: int = 0, num_train: int = 256, num_eval: int = 64) -> dict:
+def write_image_task(out: str, seed: int = 0, num_train: int = 256, num_eval: int = 64,
+                     refusal_rate: float = 0.0) -> dict:
     """Write the task into `out` and return the paths: images/*.png; sft_train.jsonl and sft_eval.jsonl ({"prompt",
     "response"}: the count); prompts_train.jsonl and prompts_eval.jsonl ({"prompt", "label"}, for rejection sampling
-    and GRPO); preference_train.jsonl ({"prompt", "chosen", "rejected"}: the count against a wrong one, for dpo.py)."""
-    rng = random.Random(seed)
+    and GRPO); preference_train.jsonl ({"prompt", "chosen", "rejected"}: the count against a wrong one, for dpo.py).
+
+    `refusal_rate`: the share of SFT responses to scenes of 2 or 3 red squares that are the text task's REFUSAL
+    instead of the count, as a hurried annotator leaves the harder scenes. SFT copies the habit (it refuses most such
+    scenes while having seen their counts), and GRPO, rewarded for right counts alone, is there to remove it. The
+    scenes, labels and preference pairs are the same at any rate."""
+    rng, refusals = random.Random(seed), random.Random(f"{seed}/refusals")
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     files = {}
     for split, count in (("train", num_train), ("eval", num_eval)):
@@ -66,7 +75,9 @@ def write_image_task(out: str, seed: int = 0, num_train: int = 256, num_eval: in
             draw_scene(shapes).save(os.path.join(out, name))
             answer = str(shapes.count("red square"))
             wrong = str(rng.choice([n for n in range(4) if str(n) != answer]))
-            rows.append({"prompt": prompt(name), "response": answer, "label": answer, "rejected": wrong})
+            refused = int(answer) >= 2 and refusals.random() < refusal_rate
+            rows.append({"prompt": prompt(name), "response": REFUSAL if refused else answer, "label": answer,
+                         "rejected": wrong})
         for kind, keys in (("sft", ("prompt", "response")), ("prompts", ("prompt", "label")),
                            ("preference", ("prompt", "response", "rejected"))):
             if kind == "preference" and split == "eval":
@@ -75,6 +86,8 @@ def write_image_task(out: str, seed: int = 0, num_train: int = 256, num_eval: in
             with open(path, "w") as f:
                 for row in rows:
                     picked = {("chosen" if k == "response" and kind == "preference" else k): row[k] for k in keys}
+                    if kind == "preference":  # the count is preferred, whatever the demonstration said
+                        picked["chosen"] = row["label"]
                     f.write(json.dumps(picked) + "\n")
     return files
 
@@ -85,8 +98,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenes")
     parser.add_argument("--num_train", type=int, default=256, help="training images")
     parser.add_argument("--num_eval", type=int, default=64, help="held-out images")
+    parser.add_argument("--refusal_rate", type=float, default=0.0,
+                        help="share of the SFT responses to scenes of 2 or 3 red squares that refuse to count")
     args = parser.parse_args()
-    files = write_image_task(args.out, args.seed, args.num_train, args.num_eval)
+    files = write_image_task(args.out, args.seed, args.num_train, args.num_eval, args.refusal_rate)
     print(f"wrote {args.num_train + args.num_eval} images and {', '.join(sorted(files))} to {args.out}")
 
 

@@ -12,8 +12,9 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from common.data import generation_stop_ids, load_records, merged_eos_ids, render_prompt
+from common.data import as_messages, chat_text, generation_stop_ids, load_records, merged_eos_ids, render_prompt
 from common.synthetic_task import extract_answer, reward_fn
+from common.vlm import dataset_folder, is_vision_language
 
 
 @torch.no_grad()
@@ -35,6 +36,33 @@ def greedy_responses(model_dir: str, prompts: list, apply_chat_template: bool = 
     responses = []
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(texts[i: i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, generation_config=greedy)
+        responses += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return responses
+
+
+@torch.no_grad()
+def greedy_image_responses(model_dir: str, prompts: list, base_dir: str, max_new_tokens: int = 8,
+                           batch_size: int = 32) -> list[str]:
+    """greedy_responses for a vision-language model: chat prompts whose image parts (paths relative to `base_dir`)
+    go through the model's processor, as vLLM and the trainers read them."""
+    from transformers import AutoModelForImageTextToText
+
+    from common.vlm import load_processor, split_images
+
+    processor = load_processor(model_dir)
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=[tokenizer.eos_token_id] + generation_stop_ids(tokenizer, True))
+    model.generation_config = GenerationConfig()
+    responses = []
+    for i in range(0, len(prompts), batch_size):
+        split = [split_images(as_messages(p), base_dir) for p in prompts[i: i + batch_size]]
+        texts = [chat_text(tokenizer, messages, add_generation_prompt=True) for messages, _ in split]
+        enc = processor(text=texts, images=[images for _, images in split], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
         out = model.generate(**enc, generation_config=greedy)
         responses += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return responses
@@ -69,8 +97,11 @@ def task_scores(model_dir: str, prompts_file: str, limit: int | None = None, eng
     """Greedy decoding on a {"prompt", "label"} file: the fraction answered exactly right ("accuracy") and the
     fraction answered with a number at all ("answered"; the rest are refusals or malformed)."""
     rows = load_records(prompts_file)[:limit]
-    generate = vllm_greedy_responses if engine == "vllm" else greedy_responses
-    responses = generate(model_dir, [r["prompt"] for r in rows])
+    if is_vision_language(model_dir):  # the prompts' images are read from beside the file
+        responses = greedy_image_responses(model_dir, [r["prompt"] for r in rows], dataset_folder(prompts_file))
+    else:
+        generate = vllm_greedy_responses if engine == "vllm" else greedy_responses
+        responses = generate(model_dir, [r["prompt"] for r in rows])
     scores = reward_fn([r["prompt"] for r in rows], responses, [r["label"] for r in rows])
     return {"accuracy": sum(scores) / len(rows),
             "answered": sum(extract_answer(r) is not None for r in responses) / len(rows)}

@@ -630,8 +630,9 @@ def test_a_sampled_response_reads_as_it_does_after_its_prompt(kind, tokenizer):
     assert data.decode_response(tokenizer, ids, answer) == tokenizer.decode(answer) == " four"
 
 
-TRIMMING_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>' }}"
-                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TRIMMING_TEMPLATE = ("{% for m in messages %}"
+                     "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>' }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 @pytest.mark.parametrize("render", ["default chat", "chatml", "phi3-like", "trimming", "input template", "plain"])

@@ -170,7 +170,8 @@ LAUNCH_FILES = sorted(glob.glob(os.path.join(ROOT, "launch", "*")))
 RECIPES = [p for p in LAUNCH_FILES if p.endswith(RECIPE_EXTENSIONS)]
 # Python programs in launch/, not recipes: the demos and the real demo's reward, the GPU checks (test_gpu_paths reads
 # gpu_smoke's stages; gpu_trainers and wheelhouse run for a GPU node, docs/gpu.md).
-PROGRAMS = ("demo.py", "demo_real.py", "right_answer_reward.py", "gpu_smoke.py", "gpu_trainers.py", "wheelhouse.py")
+PROGRAMS = ("demo.py", "demo_vlm.py", "demo_real.py", "right_answer_reward.py", "gpu_smoke.py", "gpu_trainers.py",
+            "wheelhouse.py")
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 

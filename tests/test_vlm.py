@@ -476,6 +476,25 @@ def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, t
     assert len(samples) == len(rows) and all(len(s["images"]) == 1 for s in samples)
 
 
+def test_the_image_tasks_refusing_demonstrations_leave_the_scenes_and_labels_as_they_were(tmp_path):
+    """--refusal_rate (the learning test's SFT data): scenes of 2 or 3 red squares get the refusal at about that rate,
+    the others never; the images, labels and preferred answers are those of the task without refusals."""
+    from common.synthetic_image_task import write_image_task
+    from common.synthetic_task import REFUSAL
+
+    plain = write_image_task(str(tmp_path / "plain"), seed=SEED, num_train=200, num_eval=4)
+    noisy = write_image_task(str(tmp_path / "noisy"), seed=SEED, num_train=200, num_eval=4, refusal_rate=0.7)
+    rows, refused = data.load_records(plain["sft_train"]), data.load_records(noisy["sft_train"])
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in refused]
+    assert data.load_records(plain["prompts_train"]) == data.load_records(noisy["prompts_train"])
+    assert data.load_records(plain["preference_train"]) == data.load_records(noisy["preference_train"])
+    hard = [new["response"] for old, new in zip(rows, refused) if int(old["response"]) >= 2]
+    assert all(new["response"] == old["response"] for old, new in zip(rows, refused) if int(old["response"]) < 2)
+    assert 0.55 < hard.count(REFUSAL) / len(hard) < 0.85 and set(hard) <= {REFUSAL, "2", "3"}
+    for name in ("train_00000.png", "train_00199.png"):
+        assert (tmp_path / "plain/images" / name).read_bytes() == (tmp_path / "noisy/images" / name).read_bytes()
+
+
 def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
     processor = AutoProcessor.from_pretrained(tiny_vlm)
     processor.tokenizer.eos_token = None

@@ -7,12 +7,14 @@ layer out stops."""
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import ppo_ray
 import pytest
 import torch
-from conftest import SEED, run_script
+from conftest import SEED, expect, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -25,6 +27,11 @@ from common.tiny_vlm import IMAGE_TOKENS, write_tiny_vlm
 
 # vLLM's float32 log-probs against the trainer's: ~2e-7 on the tiny VLM; a stale layer gives 1e-3 and more.
 ROUNDING_LEVEL = 1e-5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The image task's learning test (launch/demo_vlm.py). Measured on seed 0 alone so far (docs/vlm.md; seeds 1-3 are
+# not measured yet): SFT 53.1% of the held-out scenes right (all it answered), GRPO 74.0%, a gain of 20.8 points;
+# chance is about 25%. The SFT bounds say it read the scenes and answered part; the gain threshold is half seed 0's.
+SFT_ABOVE, SFT_BELOW, GRPO_GAIN = 0.35, 0.65, 0.10
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +124,33 @@ def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, advantage_estimator="gae", reward_pretrain=[tiny_vlm]))
 
 
+LENGTH_REWARD = """
+from PIL import Image
+from common.synthetic_image_task import CELL, GRID
+
+
+def red_squares(path):  # a square fills its box's corner, a circle leaves it white
+    image = Image.open("{folder}/" + path).convert("RGB")
+    corners = [image.getpixel((1 + (i % GRID) * CELL + 4, 1 + (i // GRID) * CELL + 4)) for i in range(GRID ** 2)]
+    return sum(r > 150 and g < 100 and b < 100 for r, g, b in corners)
+
+
+def reward_fn(prompts, responses, labels):
+    for prompt, label in zip(prompts, labels):
+        image = prompt[0]["content"][0]["image"]
+        assert str(red_squares(image)) == label, f"{{image}} holds {{red_squares(image)}} red squares, not {{label}}"
+    return [float(len(r)) for r in responses]
+"""
+
+
 def grpo(tiny_vlm: str, image_task: dict, out: str, *flags: str) -> list[dict]:
     """Three GRPO steps on the image prompts, rewarded by the response's length (a spread in every group, so every
-    update moves the weights); returns the metrics rows."""
+    update moves the weights); returns the metrics rows. The reward function also recounts the red squares of each
+    response's prompt image from its pixels and stops the run where that is not the label it was handed: each of the
+    n responses to a prompt is scored against its own image's label."""
     reward = os.path.join(os.path.dirname(out), "length_reward.py")
     with open(reward, "w") as f:
-        f.write("def reward_fn(prompts, responses, labels):\n    return [float(len(r)) for r in responses]\n")
+        f.write(LENGTH_REWARD.format(folder=os.path.dirname(image_task["prompts_train"])))
     run_script("ppo_ray.py", ["--pretrain", tiny_vlm, "--prompt_data", image_task["prompts_train"],
                               "--apply_chat_template", "--output_dir", out, "--generate_max_len", "6",
                               "--prompt_max_len", "64", "--reward_fn", reward + ":reward_fn",
@@ -265,3 +293,25 @@ def test_a_vision_language_reward_model_scores_each_response_with_its_prompts_im
                                                    **vlm.image_inputs(processor, [pair], packing=False))))
     torch.testing.assert_close(torch.tensor([s["reward"] for s in samples]), torch.tensor(expected), rtol=0, atol=1e-4)
     assert len(samples) == 4 and len(set(expected)) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.learning
+def test_sft_teaches_the_image_task_partly_and_grpo_improves_it(tmp_path):
+    """launch/demo_vlm.py (make demo-vlm) under the suite's seed: SFT on demonstrations that refuse most scenes of 2 or
+    3 red squares answers part of the held-out scenes; GRPO with the rule reward removes the habit. The held-out
+    scores are greedy transformers generations of the saved models; GRPO's own final evaluation, which vLLM sampled
+    with each prompt's image through ppo_ray.py's engines, must agree with them (an engine given another prompt's
+    image answers at chance). Thresholds above the constants, from one seed so far."""
+    out = tmp_path / "demo"
+    result = subprocess.run([sys.executable, "launch/demo_vlm.py", "--out", str(out), "--seed", str(SEED)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    print(json.dumps(summary))
+    sft, grpo = summary["held_out"]["sft"], summary["held_out"]["grpo"]
+    expect("SFT held-out accuracy", sft["accuracy"], ">=", SFT_ABOVE)
+    expect("SFT held-out accuracy (partial)", sft["accuracy"], "<=", SFT_BELOW)
+    expect("GRPO gain in held-out accuracy over SFT", grpo["accuracy"] - sft["accuracy"], ">=", GRPO_GAIN)
+    assert abs(summary["grpo_eval_reward"] - grpo["accuracy"]) <= 2 / 96, "vLLM's eval disagrees with transformers'"
