@@ -39,7 +39,9 @@ Implementation details, where they happen below:
     then trains it without the end-of-turn token it never had;
   - ties go to the first sample with the top (or bottom) reward; a pair whose best and worst rewards are equal
     carries no preference and is skipped; `--min_reward` drops prompts whose best sample's reward (the weighted
-    sum) is lower (RAFT's filter: with a 0/1 rule reward alone, 1.0 keeps only solved prompts);
+    sum) is lower (RAFT's filter: with a 0/1 rule reward alone, 1.0 keeps only solved prompts); a later round
+    with no record left (a model that answers every question right) trains nothing, and the next samples the last
+    trained model again;
   - with csft, rounds after the first sample with the prompt asking for the last round's highest reward;
   - every stage writes its file atomically (temp file + rename) and state.json records the finished iterations:
     rerunning the same command after a kill resumes in the iteration it was in, reusing the samples already
@@ -436,6 +438,13 @@ def iteration_dir(args: Args, k: int) -> str:
     return os.path.join(args.output_dir, f"iter_{k}") if args.iterations else args.output_dir
 
 
+def round_policy(args: Args, k: int) -> str:
+    """The model round k samples from: the one the latest earlier round trained, or --pretrain. A round whose samples
+    all tie (every answer right, or every one wrong: a model that has learned what pairs can teach) trains none."""
+    trained = [os.path.join(iteration_dir(args, j), "model") for j in range(k)]
+    return next((path for path in reversed(trained) if os.path.exists(path)), args.pretrain)
+
+
 def main(args: Args):
     check_args(args)
     tokenizer = load_tokenizer(args.pretrain)
@@ -470,7 +479,7 @@ def main(args: Args):
         os.makedirs(out, exist_ok=True)
         picked = iteration_prompts(k, len(all_prompts), args.prompts_per_iteration)
         prompts, labels, prompt_ids = ([xs[i] for i in picked] for xs in (all_prompts, all_labels, all_ids))
-        policy = args.pretrain if k == 0 else os.path.join(iteration_dir(args, k - 1), "model")
+        policy = round_policy(args, k)
         files = {name: os.path.join(out, f"{name}.jsonl") for name in ("generations", "scored", args.mode)}
         seconds = dict.fromkeys(("generate", "sampling", "score", "train"), 0.0)  # stages a resumed run skips: 0
 
@@ -480,7 +489,7 @@ def main(args: Args):
         else:
             start, sample_ids = time.time(), prompt_ids
             if args.mode == "csft" and k > 0:  # from the second round on, sample what the model is trained to give
-                previous = data.load_records(os.path.join(iteration_dir(args, k - 1), "csft.jsonl"))
+                previous = data.load_records(os.path.join(os.path.dirname(policy), "csft.jsonl"))
                 high = max(row["reward"] for row in previous)
                 sample_ids = tokenize_prompts(tokenizer, [conditioned_prompt(p, high, args.csft_template,
                                                                              args.csft_decimals) for p in prompts],
@@ -523,7 +532,7 @@ def main(args: Args):
         left_out = "" if args.keep_truncated or not cut else (
             f"; {cut} of {len(prompts) * n} responses were cut at --generate_max_len and not selected as answers "
             f"(raise it, or pass --keep_truncated)")
-        if not records:
+        if not records and (not args.iterations or policy == args.pretrain):  # else a model learned all it could
             raise UserError(f"iteration {k} kept no sample: for every prompt, the best reward is below --min_reward, "
                             f"all samples tie or all were cut at the length limit{left_out}; the scored samples are "
                             f"in {files['scored']}.")
@@ -533,20 +542,23 @@ def main(args: Args):
         pickable = [([r for r, c in zip(row, cuts) if args.keep_truncated or not c], row)
                     for row, cuts in zip(scores, truncated)]
         pickable = [(whole, row if args.mode == "dpo_pairs" else whole) for whole, row in pickable if whole]
+        mean = lambda values: sum(values) / max(len(values), 1)
         metrics = {"rewards/mean": sum(map(sum, scores)) / (len(scores) * n),
-                   "rewards/best_mean": sum(max(best) for best, _ in pickable) / len(pickable),
-                   "rewards/worst_mean": sum(min(worst) for _, worst in pickable) / len(pickable),
+                   "rewards/best_mean": mean([max(best) for best, _ in pickable]),
+                   "rewards/worst_mean": mean([min(worst) for _, worst in pickable]),
                    "data/records": len(records), "data/prompts_skipped": skipped,
                    "data/truncated_share": cut / (len(prompts) * n)}
         summary = f"wrote {len(records)} records to {files[args.mode]} ({skipped} prompts skipped{left_out})"
-        if args.mode == "csft":
+        if args.mode == "csft" and records:
             metrics["csft/high_reward"] = max(round(row["reward"], args.csft_decimals) for row in records)
             example = conditioned_prompt(prompts[0], metrics["csft/high_reward"], args.csft_template,
                                          args.csft_decimals)
             summary += f"; ask a model trained on it for a high-reward answer with prompts like {example!r}"
 
         # ---- train on them, as a user would
-        if args.iterations:
+        if args.iterations and not records:
+            summary += f"; nothing to train on, so the next round samples {policy} again"
+        elif args.iterations:
             command = train_command(args, policy, files[args.mode], os.path.join(out, "model"))
             print(f"iteration {k}: training with\n  {shlex.join(command)}", flush=True)
             start = time.time()

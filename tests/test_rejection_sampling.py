@@ -28,7 +28,7 @@ from common.rewards import load_reward_model, reward_model_scores
 from common.synthetic_task import REFUSAL, extract_answer, reward_fn
 from common.task_eval import greedy_responses
 from common.tiny_model import build_tokenizer
-from rejection_sampling import Args, conditioned_prompt, load_state, main, select, train_command
+from rejection_sampling import Args, conditioned_prompt, load_state, main, round_policy, select, train_command
 
 TEMPLATE = "{prompt} <rm_score>: {reward}"
 REWARD_FN = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
@@ -223,6 +223,40 @@ def test_bad_input_is_one_clear_sentence_before_anything_is_written(tiny_model, 
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(errors) == 1 and "raise --max_model_len" in errors[0], result.stderr[-2000:]
     assert not os.path.exists(out)
+
+
+def test_a_round_samples_the_latest_model_a_round_trained(tmp_path):
+    """A round whose samples all tie (every answer right, or every one wrong) gives no record and trains no model:
+    the next round samples the latest model an earlier round trained, not a folder that was never written."""
+    args = Args(pretrain="base", dataset="d.jsonl", output_dir=str(tmp_path / "run"), iterations=4)
+    assert round_policy(args, 0) == round_policy(args, 1) == "base"
+    os.makedirs(tmp_path / "run" / "iter_0" / "model")
+    assert round_policy(args, 1) == round_policy(args, 2) == str(tmp_path / "run" / "iter_0" / "model")
+    os.makedirs(tmp_path / "run" / "iter_2" / "model")  # round 1 tied everywhere, round 2 trained again
+    assert round_policy(args, 3) == str(tmp_path / "run" / "iter_2" / "model")
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_round_with_nothing_to_learn_is_logged_and_the_next_samples_the_last_model(sft_model, task, tmp_path):
+    """Iterative DPO at convergence: a round whose samples all tie is logged (its rewards are the measurement a
+    sanity run reads) and trains nothing; the run goes on from the last trained model and ends cleanly."""
+    reward = tmp_path / "once.py"
+    reward.write_text("import itertools\n\nCALLS = itertools.count()\n\n\ndef reward_fn(prompts, responses, labels):\n"
+                      "    first = next(CALLS) == 0  # a spread in the first round's samples, ties after it\n"
+                      "    return [float(i % 8) if first else 1.0 for i in range(len(responses))]\n")
+    out = str(tmp_path / "run")
+    args = rs_args(sft_model, task, out, "--max_samples", "16", "--mode", "dpo_pairs", "--iterations", "3",
+                   "--reward_batch_size", "128", "--train_args",
+                   "--max_steps 1 --train_batch_size 2 --micro_train_batch_size 2 --max_len 64")
+    args[args.index("--reward_fn") + 1] = f"{reward}:reward_fn"
+    result = run_script("rejection_sampling.py", args)
+    records = [m["data/records"] for m in metrics(out)]
+    assert len(records) == 3 and records[0] > 0 and records[1:] == [0, 0], result.stdout[-2000:]
+    assert os.path.exists(os.path.join(out, "iter_0", "model")) and not os.path.exists(os.path.join(out, "iter_1",
+                                                                                                       "model"))
+    assert f"nothing to train on, so the next round samples {out}/iter_0/model again" in result.stdout
+    assert json.load(open(os.path.join(out, "state.json")))["finished_iterations"] == 3
 
 
 def test_a_run_resumes_only_with_the_settings_it_started_with(tmp_path):
