@@ -40,8 +40,8 @@ Implementation details, where they happen below:
   - ties go to the first sample with the top (or bottom) reward; a pair whose best and worst rewards are equal
     carries no preference and is skipped; `--min_reward` drops prompts whose best sample's reward (the weighted
     sum) is lower (RAFT's filter: with a 0/1 rule reward alone, 1.0 keeps only solved prompts); a later round
-    with no record left (a model that answers every question right) trains nothing, and the next samples the last
-    trained model again;
+    left with less than one training batch (a model that answers nearly every question right) trains nothing, and
+    the next samples the last trained model again;
   - with csft, rounds after the first sample with the prompt asking for the last round's highest reward;
   - every stage writes its file atomically (temp file + rename) and state.json records the finished iterations:
     rerunning the same command after a kill resumes in the iteration it was in, reusing the samples already
@@ -438,9 +438,27 @@ def iteration_dir(args: Args, k: int) -> str:
     return os.path.join(args.output_dir, f"iter_{k}") if args.iterations else args.output_dir
 
 
+# sft.py's and dpo.py's --train_batch_size when --train_args gives none (a test checks they agree)
+TRAINER_BATCH_SIZE = 32
+
+
+def trainer_batch_size(args: Args) -> int:
+    """The --train_batch_size the round's trainer gets: the one in --train_args, or the trainers' default."""
+    extra = shlex.split(args.train_args)
+    for i, flag in enumerate(extra):
+        value = flag.split("=", 1)[1] if flag.startswith("--train_batch_size=") else (
+            extra[i + 1] if flag == "--train_batch_size" and i + 1 < len(extra) else None)
+        if value is not None and not value.isdigit():
+            raise UserError(f"--train_args gives --train_batch_size {value!r}; give a whole number.")
+        if value is not None:
+            return int(value)
+    return TRAINER_BATCH_SIZE
+
+
 def round_policy(args: Args, k: int) -> str:
-    """The model round k samples from: the one the latest earlier round trained, or --pretrain. A round whose samples
-    all tie (every answer right, or every one wrong: a model that has learned what pairs can teach) trains none."""
+    """The model round k samples from: the one the latest earlier round trained, or --pretrain. A later round left
+    with less than a batch (every answer right, or every one wrong: a model that has learned what pairs can teach)
+    trains none."""
     trained = [os.path.join(iteration_dir(args, j), "model") for j in range(k)]
     return next((path for path in reversed(trained) if os.path.exists(path)), args.pretrain)
 
@@ -556,8 +574,9 @@ def main(args: Args):
             summary += f"; ask a model trained on it for a high-reward answer with prompts like {example!r}"
 
         # ---- train on them, as a user would
-        if args.iterations and not records:
-            summary += f"; nothing to train on, so the next round samples {policy} again"
+        if args.iterations and len(records) < trainer_batch_size(args) and policy != args.pretrain:
+            summary += (f"; fewer than one batch of {trainer_batch_size(args)} to train on, so the next round samples "
+                        f"{policy} again")
         elif args.iterations:
             command = train_command(args, policy, files[args.mode], os.path.join(out, "model"))
             print(f"iteration {k}: training with\n  {shlex.join(command)}", flush=True)

@@ -250,8 +250,9 @@ DEMO_HELD_OUT_GAIN = 0.15
 RLOO_LAST_STEPS_ACCURACY = 0.75
 # Iterative DPO, the band's 75 questions, sampled answers right before and after each of three rounds of DPO on the
 # model's own pairs (learning rate 3e-5, 2 epochs a round; a rejected answer may be one the 48-token limit cut):
-# seed 0 0.37, 0.69, 0.75, 0.89; seed 1 0.35, 0.34, 0.88, 0.84; seed 2 0.39, 0.56, 0.84, 1.00 (its last round tied
-# everywhere: nothing left to pair). Before cut answers could be rejected, seed 1 went 0.35, 0.50, 0.65, 0.43.
+# seed 0 0.37, 0.69, 0.75, 0.89; seed 1 0.35, 0.34, 0.88, 0.84; seed 2 0.39, 0.56, 0.84, 1.00; seed 3 0.39, 0.90,
+# 0.81, 0.95 (the last rounds of seeds 2 and 3 left 0 and 7 pairs, less than a batch: logged, not trained). Before cut
+# answers could be rejected, seed 1 went 0.35, 0.50, 0.65, 0.43.
 ITERATIVE_DPO_LAST_ACCURACY = 0.75
 
 

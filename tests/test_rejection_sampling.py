@@ -28,7 +28,8 @@ from common.rewards import load_reward_model, reward_model_scores
 from common.synthetic_task import REFUSAL, extract_answer, reward_fn
 from common.task_eval import greedy_responses
 from common.tiny_model import build_tokenizer
-from rejection_sampling import Args, conditioned_prompt, load_state, main, round_policy, select, train_command
+from rejection_sampling import (TRAINER_BATCH_SIZE, Args, conditioned_prompt, load_state, main, round_policy, select,
+                                train_command, trainer_batch_size)
 
 TEMPLATE = "{prompt} <rm_score>: {reward}"
 REWARD_FN = os.path.join(ROOT, "common", "synthetic_task.py") + ":reward_fn"
@@ -236,15 +237,44 @@ def test_a_round_samples_the_latest_model_a_round_trained(tmp_path):
     assert round_policy(args, 3) == str(tmp_path / "run" / "iter_2" / "model")
 
 
+def test_a_round_knows_its_trainers_batch_size():
+    import dpo
+    import sft
+
+    assert TRAINER_BATCH_SIZE == sft.Args.train_batch_size == dpo.Args.train_batch_size
+    batch = lambda train_args: trainer_batch_size(Args(pretrain="p", dataset="d", train_args=train_args))
+    assert batch("") == TRAINER_BATCH_SIZE and batch("--beta 0.1 --train_batch_size 8") == 8
+    assert batch("--train_batch_size=4 --max_len 64") == 4
+    with pytest.raises(UserError, match="--train_args gives --train_batch_size 'eight'; give a whole number."):
+        batch("--train_batch_size eight")
+
+
+# Round 0: a pair for every prompt whose samples differ (the first sample's text against another); round 1: one
+# such pair; later rounds: all tied. Responses come prompt-major, 8 a prompt, in one call a round.
+ONE_PAIR_FEWER_EACH_ROUND = """import itertools
+
+CALLS = itertools.count()
+
+
+def reward_fn(prompts, responses, labels):
+    call, rewards, paired = next(CALLS), [], 0
+    for start in range(0, len(responses), 8):
+        group = responses[start:start + 8]
+        pair = len(set(group)) > 1 and (call == 0 or (call == 1 and not paired))
+        paired += pair
+        rewards += [float(text == group[0]) if pair else 1.0 for text in group]
+    return rewards
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.extended
 def test_a_round_with_nothing_to_learn_is_logged_and_the_next_samples_the_last_model(sft_model, task, tmp_path):
-    """Iterative DPO at convergence: a round whose samples all tie is logged (its rewards are the measurement a
-    sanity run reads) and trains nothing; the run goes on from the last trained model and ends cleanly."""
+    """Iterative DPO near convergence: a round left with less than a batch of pairs (round 1: one pair, round 2:
+    none) is logged (its rewards are the measurement a sanity run reads) and trains nothing; the run goes on from
+    the last trained model and ends cleanly."""
     reward = tmp_path / "once.py"
-    reward.write_text("import itertools\n\nCALLS = itertools.count()\n\n\ndef reward_fn(prompts, responses, labels):\n"
-                      "    first = next(CALLS) == 0  # a spread in the first round's samples, ties after it\n"
-                      "    return [float(i % 8) if first else 1.0 for i in range(len(responses))]\n")
+    reward.write_text(ONE_PAIR_FEWER_EACH_ROUND)
     out = str(tmp_path / "run")
     args = rs_args(sft_model, task, out, "--max_samples", "16", "--mode", "dpo_pairs", "--iterations", "3",
                    "--reward_batch_size", "128", "--train_args",
@@ -252,10 +282,10 @@ def test_a_round_with_nothing_to_learn_is_logged_and_the_next_samples_the_last_m
     args[args.index("--reward_fn") + 1] = f"{reward}:reward_fn"
     result = run_script("rejection_sampling.py", args)
     records = [m["data/records"] for m in metrics(out)]
-    assert len(records) == 3 and records[0] > 0 and records[1:] == [0, 0], result.stdout[-2000:]
-    assert os.path.exists(os.path.join(out, "iter_0", "model")) and not os.path.exists(os.path.join(out, "iter_1",
-                                                                                                       "model"))
-    assert f"nothing to train on, so the next round samples {out}/iter_0/model again" in result.stdout
+    assert len(records) == 3 and records[0] >= 2 and records[1:] == [1, 0], result.stdout[-2000:]
+    assert [os.path.exists(os.path.join(out, f"iter_{k}", "model")) for k in range(3)] == [True, False, False]
+    assert result.stdout.count(f"fewer than one batch of 2 to train on, so the next round samples {out}/iter_0/model "
+                               f"again") == 2
     assert json.load(open(os.path.join(out, "state.json")))["finished_iterations"] == 3
 
 
