@@ -84,10 +84,10 @@ def sequence_classification_class(config) -> type:
 
 @functools.cache  # one class per family, so that every load of it makes the same class
 def _scalar_head_class(config_class: type) -> type:
-    from transformers import AutoModel, PreTrainedModel
+    from transformers import MODEL_MAPPING, PreTrainedModel
     from transformers.modeling_layers import GenericForSequenceClassification
 
-    backbone = AutoModel._model_mapping[config_class]  # e.g. Idefics3Model: the tower, connector and language model
+    backbone = MODEL_MAPPING[config_class]  # AutoModel's class, e.g. Idefics3Model: tower, connector, language model
     family = next(c for c in backbone.__mro__[1:] if issubclass(c, PreTrainedModel))  # Idefics3PreTrainedModel
     name = backbone.__name__.removesuffix("Model") + "ForSequenceClassification"
     return type(name, (GenericForSequenceClassification, family), {"__module__": __name__})
