@@ -33,7 +33,7 @@ from launch.right_answer_reward import is_right  # noqa: E402
 PY = sys.executable
 REWARD = "launch/right_answer_reward.py:reward_fn"
 DOCS = ["README.md", "docs/real_model.md"]
-STEPS = 24  # GRPO steps; docs/real_model.md has the curve of every step under three seeds
+STEPS = 24  # GRPO steps; docs/real_model.md has the curve of every step under four seeds
 # Sums of two numbers below 10: the base model knows most of them but loses its way in a paragraph about "the formula
 # for adding integers" on half the questions, and samples the right answer about a third of the time (the sanity
 # run's band, docs/real_model.md); with operands below 20 it samples the right sum too rarely to learn in minutes.
