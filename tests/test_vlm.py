@@ -469,6 +469,11 @@ def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, t
     assert set(counts) == {0, 1, 2, 3}
     pairs = data.load_records(files["preference_train"])
     assert all(pair["chosen"] == row["response"] != pair["rejected"] for pair, row in zip(pairs, rows))
+    held_out = data.load_records(files["preference_eval"])  # each held-out scene's count against every wrong one
+    for scene, label in zip(range(0, len(held_out), 3), data.load_records(files["prompts_eval"])):
+        assert {pair["chosen"] for pair in held_out[scene: scene + 3]} == {label["label"]}
+        assert sorted(pair["rejected"] for pair in held_out[scene: scene + 3]) == sorted({"0", "1", "2", "3"} -
+                                                                                         {label["label"]})
     labels = [row["label"] for row in data.load_records(files["prompts_train"])]
     assert reward_fn([None] * len(rows), [row["response"] for row in rows], labels) == [1.0] * len(rows)
     samples = vlm.build_vlm_sft_samples(rows, vlm.load_processor(tiny_vlm), files["sft_train"], "prompt",
@@ -543,3 +548,4 @@ def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_v
     assert os.path.exists(os.path.join(out, "adapter", "adapter_config.json"))  # the adapter alone, beside it
     AutoModelForImageTextToText.from_pretrained(out)
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
+
