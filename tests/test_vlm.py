@@ -293,7 +293,8 @@ def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_und
         vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, 3, 2)
 
 
-def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_vlm, image_dataset, tmp_path):
+def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_vlm, tiny_model, image_dataset,
+                                                                          tmp_path):
     """rejection_sampling.py writes its rows into --output_dir: a relative image path there would name nothing."""
     rows = data.load_records(image_dataset) + [{"prompt": "how many?"}]
     prompts, images = vlm.prompts_with_images([row["prompt"] for row in rows], image_dataset)
@@ -310,7 +311,8 @@ def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_v
         pretrain, apply_chat_template, reward_pretrain, mode = tiny_vlm, True, [], "best_of_n"
 
     assert vlm.check_sampler_args(Args)
-    for flag, value in (("apply_chat_template", False), ("reward_pretrain", ["rm"]), ("mode", "csft")):
+    assert vlm.check_sampler_args(type("Scored", (Args,), {"reward_pretrain": [tiny_vlm]}))  # a VLM reads the images
+    for flag, value in (("apply_chat_template", False), ("reward_pretrain", [tiny_vlm, tiny_model]), ("mode", "csft")):
         with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
             vlm.check_sampler_args(type("Wrong", (Args,), {flag: value}))
 
@@ -451,6 +453,44 @@ def test_rejection_sampling_samples_image_prompts_into_sft_rows_that_train(tiny_
     run_script("sft.py", ["--pretrain", tiny_vlm, "--dataset", os.path.join(out, "best_of_n.jsonl"),
                           "--apply_chat_template", "--train_batch_size", "3", "--micro_train_batch_size", "3",
                           "--max_steps", "1", "--output_dir", str(tmp_path / "sft")])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_rejection_sampling_scores_image_prompts_with_a_vlm_reward_model_that_reads_their_images(tiny_vlm, tmp_path):
+    """rejection_sampling.py --reward_pretrain with a reward model rm.py trained from the tiny VLM: each response's
+    reward is the reward model's score of the pair rm.py renders from the same prompt, image and response, and
+    another scene's image in its place scores it otherwise."""
+    from common.modeling import sequence_rewards
+    from common.synthetic_image_task import write_image_task
+
+    task = write_image_task(str(tmp_path / "task"), seed=SEED, num_train=16, num_eval=4)
+    rm, out = str(tmp_path / "rm"), str(tmp_path / "rs")
+    run_script("rm.py", ["--pretrain", tiny_vlm, "--dataset", task["preference_train"], "--apply_chat_template",
+                         "--max_len", "64", "--train_batch_size", "8", "--micro_train_batch_size", "8", "--max_steps",
+                         "2", "--learning_rate", "1e-3", "--output_dir", rm])
+    run_script("rejection_sampling.py", ["--pretrain", tiny_vlm, "--dataset", task["prompts_eval"],
+                                         "--apply_chat_template", "--reward_pretrain", rm, "--n_samples_per_prompt",
+                                         "2", "--generate_max_len", "6", "--keep_truncated", "--output_dir", out])
+    scored = data.load_records(os.path.join(out, "scored.jsonl"))
+    model = vlm.sequence_classification_class(rm).from_pretrained(rm).eval()
+    processor = AutoProcessor.from_pretrained(rm)
+
+    def reward(prompt: list, response: str) -> float:  # the pair as rm.py renders it, the response ended at its EOS
+        pair, _ = vlm.vlm_sample(processor, prompt + [{"role": "assistant", "content": response}], out, 256,
+                                 end_with_eos=True)
+        ids = torch.tensor([pair["input_ids"]])
+        with torch.no_grad():
+            return float(sequence_rewards(model, ids, torch.ones_like(ids), normalize=True,
+                                          **vlm.image_inputs(processor, [pair], packing=False)))
+
+    expected = [reward(row["prompt"], response) for row in scored for response in row["responses"]]
+    torch.testing.assert_close(torch.tensor([r for row in scored for r in row["rewards"]]), torch.tensor(expected),
+                               rtol=0, atol=1e-4)
+    assert len(scored) == 4 and len(expected) == 8
+    swapped = [reward(other["prompt"], response) for row, other in zip(scored, scored[1:] + scored[:1])
+               for response in row["responses"]]  # the same text beside another scene's image
+    assert max(abs(a - b) for a, b in zip(expected, swapped)) > 1e-3
 
 
 def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, tmp_path):
