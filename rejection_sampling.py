@@ -249,7 +249,8 @@ def check_args(args: Args) -> None:
     check_lengths(args.pretrain, "--max_model_len", args.max_model_len, "--max_model_len")
     for path in args.reward_pretrain:
         check_model_path(path, "--reward_pretrain")
-        check_decoder_only(path, "--reward_pretrain")
+        if not vlm.is_vision_language(path):  # a vision-language one's scalar head is common/vlm.py's
+            check_decoder_only(path, "--reward_pretrain")
         check_lengths(path, "--max_model_len", args.max_model_len, "--max_model_len", "--reward_pretrain")
     if args.generate_max_len >= args.max_model_len:
         raise UserError(f"--generate_max_len {args.generate_max_len} leaves no room for a prompt in --max_model_len "
@@ -330,14 +331,15 @@ def generate(args: Args, policy: str, prompt_ids: list[list[int]], seed: int, de
             [[sample["finish_reason"] == "length" for sample in samples] for samples in per_prompt], sampling_seconds)
 
 
-def score(args: Args, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str):
+def score(args: Args, prompts: list, labels: list, responses: list[list[str]], reward_fn, desc: str, images=None):
     """The reward of every response, (prompts, n), from the weighted sum of all reward sources, scored in batches.
 
     Each reward model reads prompt + response rendered by its own tokenizer (its chat template; the same
     --input_template), as rm.py trained it and as ppo_ray.py's reward models read them: main has checked that the
-    vocabularies and EOS are the policy's."""
+    vocabularies and EOS are the policy's. A vision-language reward model reads each prompt's `images` too."""
     n = args.n_samples_per_prompt
     flat_prompts = [p for p in prompts for _ in range(n)]
+    flat_images = [row_images for row_images in images or [[]] * len(prompts) for _ in range(n)]
     flat_labels = [label for label in labels for _ in range(n)]
     flat_responses = [r for texts in responses for r in texts]
     models = [rewards.load_reward_model(path) for path in args.reward_pretrain]
@@ -351,7 +353,8 @@ def score(args: Args, prompts: list, labels: list, responses: list[list[str]], r
         # each reward model reads the pair rendered with its own tokenizer's chat template, as rm.py trained it
         model_scores = [rewards.reward_model_scores(model, rm_tokenizer, p, r, args.apply_chat_template,
                                                     args.input_template, args.reward_batch_size,
-                                                    args.max_model_len + 1) for model, rm_tokenizer in models]
+                                                    args.max_model_len + 1, flat_images[batch])
+                        for model, rm_tokenizer in models]
         summed, _ = rewards.score_responses(model_scores, reward_fn, args.remote_rm_url, weights, p, r, labels_,
                                             torch.float64)
         total += summed.tolist()
@@ -537,7 +540,8 @@ def main(args: Args):
             scores = [row["rewards"] for row in data.load_records(files["scored"])]
         else:
             start = time.time()
-            scores = score(args, prompts, labels, responses, reward_fn, f"iteration {k}: score")
+            scores = score(args, prompts, labels, responses, reward_fn, f"iteration {k}: score",
+                           all_images and [all_images[i] for i in picked])
             scored = zip(prompts, labels, responses, scores, truncated)
             write_jsonl(files["scored"], [{"prompt": p, "label": label, "responses": texts, "rewards": s,
                                            "truncated": c} for p, label, texts, s, c in scored])

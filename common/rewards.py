@@ -113,16 +113,19 @@ def call_reward_fn(fn, prompts: list, responses: list[str], labels: list) -> lis
 
 # -------------------------------------------------------------------------------------------------- reward models
 def load_reward_model(path: str, flag: str = "--reward_pretrain", device: str | None = None):
-    """A reward model saved by rm.py (a ...ForSequenceClassification with one output) and its tokenizer, for scoring.
+    """A reward model saved by rm.py (a ...ForSequenceClassification with one output) and its tokenizer, for scoring;
+    for a vision-language one, common/vlm.py's scalar-head class and its processor, which reads the prompts' images.
 
     On the GPU when there is one (bf16 where supported), in eval mode.
     """
     if not os.path.isdir(os.path.expanduser(path)) and path.startswith((".", "/", "~")):
         raise UserError(f"{flag} {path} does not exist; give a reward model folder saved by rm.py.")
-    check_decoder_only(path, flag)
+    vision_language = vlm.is_vision_language(path)
+    if not vision_language:
+        check_decoder_only(path, flag)
     try:
         config = AutoConfig.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = vlm.load_processor(path, flag) if vision_language else AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise UserError(f"{flag} {path}: no reward model could be loaded ({e}).") from None
     architecture = "/".join(config.architectures or []) or "model of unknown architecture"
@@ -134,11 +137,13 @@ def load_reward_model(path: str, flag: str = "--reward_pretrain", device: str | 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False) \
         else torch.float32
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
-    if tokenizer.pad_token is None:  # many tokenizers ship without one; padding is always masked out
-        tokenizer.pad_token = tokenizer.eos_token
+    model_class = vlm.sequence_classification_class(config) if vision_language else AutoModelForSequenceClassification
+    model = model_class.from_pretrained(path, dtype=dtype).to(device).eval()
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (load_processor set its pad token)
+    if text_tokenizer.pad_token is None:  # many tokenizers ship without one; padding is always masked out
+        text_tokenizer.pad_token = text_tokenizer.eos_token
     if model.config.pad_token_id is None:  # transformers refuses a batch without one; sequence_rewards reads none
-        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.pad_token_id = text_tokenizer.pad_token_id
     return model, tokenizer
 
 
@@ -164,23 +169,35 @@ def reward_model_normalizes(model) -> bool:
 
 @torch.no_grad()
 def reward_model_scores(model, tokenizer, prompts: list, responses: list[str], apply_chat_template: bool = False,
-                        input_template: str | None = None, batch_size: int = 16, max_len: int = 4096) -> list[float]:
+                        input_template: str | None = None, batch_size: int = 16, max_len: int = 4096,
+                        images: list[list] | None = None) -> list[float]:
     """The reward model's score of each (prompt, response), normalised when its config has reward_mean/std.
 
     Each pair is rendered and tokenized as rm.py trained on it: prompt + response ended by EOS, with the same chat
-    template or input template, read at that EOS. Batches are grouped by length, so padding costs little.
+    template or input template, read at that EOS. Batches are grouped by length, so padding costs little. With a
+    vision-language reward model's processor as `tokenizer`, each row reads its prompt's `images` (read already, one
+    list per prompt), as rm.py's pairs do (common/vlm.py reward_model_batch).
     """
-    ids = [data.reward_model_input_ids(tokenizer, p, r, max_len, apply_chat_template, input_template)
-           for p, r in zip(prompts, responses)]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    if getattr(tokenizer, "image_processor", None) is not None:
+        images = images or [[] for _ in prompts]
+        order = list(range(len(prompts)))  # a row's length is known only once the processor expands its images
+        rows = lambda chunk: vlm.reward_model_batch(tokenizer, [prompts[i] for i in chunk],
+                                                    [responses[i] for i in chunk], [images[i] for i in chunk],
+                                                    model.name_or_path)
+    else:
+        ids = [data.reward_model_input_ids(tokenizer, p, r, max_len, apply_chat_template, input_template)
+               for p, r in zip(prompts, responses)]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        rows = lambda chunk: data.pad_collate([{"input_ids": ids[i]} for i in chunk], tokenizer.pad_token_id,
+                                              keys=("input_ids",))
     device = next(model.parameters()).device
     normalize = reward_model_normalizes(model)
-    scores = [0.0] * len(ids)
+    scores = [0.0] * len(prompts)
     for start in range(0, len(order), batch_size):
         chunk = order[start: start + batch_size]
-        batch = data.pad_collate([{"input_ids": ids[i]} for i in chunk], tokenizer.pad_token_id, keys=("input_ids",))
-        rewards = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                   normalize)  # (batch,)
+        batch = {key: value.to(device) for key, value in rows(chunk).items()}
+        rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"], normalize,
+                                   **vlm.forward_images(model, batch))  # (batch,)
         for i, reward in zip(chunk, rewards.tolist()):
             scores[i] = reward
     return scores

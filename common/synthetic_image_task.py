@@ -9,7 +9,7 @@ files beside the JSONL rows that name them by relative path.
     python -m common.synthetic_image_task --out /tmp/image_task     # the files listed in write_image_task()
 
 With --refusal_rate 0.7 the SFT of `make demo-vlm` answers about half the held-out scenes and GRPO removes the habit
-(seed 0: 53% -> 74%; docs/vlm.md).
+(seeds 0, 1, 2: 53% -> 74%, 59% -> 83%, 51% -> 72%), though one run under seed 3 did not (54% -> 53%; docs/vlm.md).
 """
 
 import argparse
@@ -58,7 +58,9 @@ def write_image_task(out: str, seed: int = 0, num_train: int = 256, num_eval: in
                      refusal_rate: float = 0.0) -> dict:
     """Write the task into `out` and return the paths: images/*.png; sft_train.jsonl and sft_eval.jsonl ({"prompt",
     "response"}: the count); prompts_train.jsonl and prompts_eval.jsonl ({"prompt", "label"}, for rejection sampling
-    and GRPO); preference_train.jsonl ({"prompt", "chosen", "rejected"}: the count against a wrong one, for dpo.py).
+    and GRPO); preference_train.jsonl ({"prompt", "chosen", "rejected"}: the count against a wrong one, for dpo.py
+    and rm.py) and preference_eval.jsonl (each held-out scene's count against every wrong one: a reward model's
+    ranking is read over all four counts, where one that ignores the image can only order the counts).
 
     `refusal_rate`: the share of SFT responses to scenes of 2 or 3 red squares that are the text task's REFUSAL
     instead of the count, as a hurried annotator leaves the harder scenes. SFT copies the habit (it refuses most such
@@ -78,17 +80,16 @@ def write_image_task(out: str, seed: int = 0, num_train: int = 256, num_eval: in
             refused = int(answer) >= 2 and refusals.random() < refusal_rate
             rows.append({"prompt": prompt(name), "response": REFUSAL if refused else answer, "label": answer,
                          "rejected": wrong})
-        for kind, keys in (("sft", ("prompt", "response")), ("prompts", ("prompt", "label")),
-                           ("preference", ("prompt", "response", "rejected"))):
-            if kind == "preference" and split == "eval":
-                continue
+        for kind, keys in (("sft", ("prompt", "response")), ("prompts", ("prompt", "label"))):
             files[f"{kind}_{split}"] = path = os.path.join(out, f"{kind}_{split}.jsonl")
             with open(path, "w") as f:
-                for row in rows:
-                    picked = {("chosen" if k == "response" and kind == "preference" else k): row[k] for k in keys}
-                    if kind == "preference":  # the count is preferred, whatever the demonstration said
-                        picked["chosen"] = row["label"]
-                    f.write(json.dumps(picked) + "\n")
+                f.writelines(json.dumps({k: row[k] for k in keys}) + "\n" for row in rows)
+        files[f"preference_{split}"] = path = os.path.join(out, f"preference_{split}.jsonl")
+        with open(path, "w") as f:
+            for row in rows:  # the count is preferred, whatever the demonstration said
+                wrongs = [row["rejected"]] if split == "train" else [str(n) for n in range(4) if str(n) != row["label"]]
+                f.writelines(json.dumps({"prompt": row["prompt"], "chosen": row["label"], "rejected": wrong}) + "\n"
+                             for wrong in wrongs)
     return files
 
 

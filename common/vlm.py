@@ -415,15 +415,23 @@ def check_images_in_every_sample(samples: list[dict], source: str, zero_stage: i
                         f"give every row an image, or train with --zero_stage 2.")
 
 
+def text_reward_models(reward_pretrain: list[str] | None) -> tuple[list[str], str]:
+    """The --reward_pretrain models that read text alone, and what a vision-language policy's refusal says of them
+    (check_sampler_args, check_ppo_args): they could not read its prompts' images."""
+    text_models = [path for path in reward_pretrain or [] if not is_vision_language(path)]
+    return text_models, (f"is scored by reward models that read its prompts' images, and --reward_pretrain "
+                         f"{text_models[0]} is a text model: give one rm.py trained from a vision-language model, or "
+                         f"score with --reward_fn or --remote_rm_url" if text_models else "")
+
+
 def check_sampler_args(args) -> bool:
     """Refuse rejection_sampling.py's flags that cannot apply to a vision-language --pretrain; returns whether it is
-    one. Its prompts are chat messages with image parts; a reward model here reads text alone, and --mode csft writes
-    the reward into a prompt's text."""
+    one. Its prompts are chat messages with image parts, which reward models read only when they are vision-language
+    models too (rm.py's), and --mode csft writes the reward into a prompt's text."""
     if not is_vision_language(args.pretrain):
         return False
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
-               (args.reward_pretrain, "is scored here by --reward_fn or --remote_rm_url: a reward model reads text "
-                                      "alone, leave out --reward_pretrain"),
+               text_reward_models(args.reward_pretrain),
                (args.mode == "csft", "takes --mode best_of_n or dpo_pairs (csft writes rewards into text prompts)")]
     for wrong, what in refused:
         if wrong:
@@ -552,11 +560,8 @@ def check_ppo_args(args) -> bool:
     if not is_vision_language(args.pretrain):
         return False
     critic = args.critic_pretrain or (args.reward_pretrain or [args.pretrain])[0]  # common/placement.py critic_path
-    text_models = [path for path in args.reward_pretrain or [] if not is_vision_language(path)]
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
-               (text_models, f"is scored by reward models that read its prompts' images, and --reward_pretrain "
-                             f"{text_models[0] if text_models else ''} is a text model: give one rm.py trained from a "
-                             f"vision-language model, or score with --reward_fn or --remote_rm_url"),
+               text_reward_models(args.reward_pretrain),
                (args.advantage_estimator == "gae" and not is_vision_language(critic),
                 f"trains with a critic that reads its prompts' images, and {critic} (where the critic starts) is a "
                 f"text model: give --critic_pretrain a vision-language model (the policy, or a reward model rm.py "

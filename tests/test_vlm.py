@@ -4,6 +4,7 @@ load."""
 
 import base64
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SEED, run_script
+from conftest import ROOT, SEED, expect, mean, metrics, run_script
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -293,7 +294,8 @@ def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_und
         vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, 3, 2)
 
 
-def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_vlm, image_dataset, tmp_path):
+def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_vlm, tiny_model, image_dataset,
+                                                                          tmp_path):
     """rejection_sampling.py writes its rows into --output_dir: a relative image path there would name nothing."""
     rows = data.load_records(image_dataset) + [{"prompt": "how many?"}]
     prompts, images = vlm.prompts_with_images([row["prompt"] for row in rows], image_dataset)
@@ -310,7 +312,8 @@ def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_v
         pretrain, apply_chat_template, reward_pretrain, mode = tiny_vlm, True, [], "best_of_n"
 
     assert vlm.check_sampler_args(Args)
-    for flag, value in (("apply_chat_template", False), ("reward_pretrain", ["rm"]), ("mode", "csft")):
+    assert vlm.check_sampler_args(type("Scored", (Args,), {"reward_pretrain": [tiny_vlm]}))  # a VLM reads the images
+    for flag, value in (("apply_chat_template", False), ("reward_pretrain", [tiny_vlm, tiny_model]), ("mode", "csft")):
         with pytest.raises(vlm.UserError, match=rf"--pretrain {tiny_vlm} is a vision-language model, which"):
             vlm.check_sampler_args(type("Wrong", (Args,), {flag: value}))
 
@@ -453,6 +456,44 @@ def test_rejection_sampling_samples_image_prompts_into_sft_rows_that_train(tiny_
                           "--max_steps", "1", "--output_dir", str(tmp_path / "sft")])
 
 
+@pytest.mark.slow
+@pytest.mark.extended
+def test_rejection_sampling_scores_image_prompts_with_a_vlm_reward_model_that_reads_their_images(tiny_vlm, tmp_path):
+    """rejection_sampling.py --reward_pretrain with a reward model rm.py trained from the tiny VLM: each response's
+    reward is the reward model's score of the pair rm.py renders from the same prompt, image and response, and
+    another scene's image in its place scores it otherwise."""
+    from common.modeling import sequence_rewards
+    from common.synthetic_image_task import write_image_task
+
+    task = write_image_task(str(tmp_path / "task"), seed=SEED, num_train=16, num_eval=4)
+    rm, out = str(tmp_path / "rm"), str(tmp_path / "rs")
+    run_script("rm.py", ["--pretrain", tiny_vlm, "--dataset", task["preference_train"], "--apply_chat_template",
+                         "--max_len", "64", "--train_batch_size", "8", "--micro_train_batch_size", "8", "--max_steps",
+                         "2", "--learning_rate", "1e-3", "--output_dir", rm])
+    run_script("rejection_sampling.py", ["--pretrain", tiny_vlm, "--dataset", task["prompts_eval"],
+                                         "--apply_chat_template", "--reward_pretrain", rm, "--n_samples_per_prompt",
+                                         "2", "--generate_max_len", "6", "--keep_truncated", "--output_dir", out])
+    scored = data.load_records(os.path.join(out, "scored.jsonl"))
+    model = vlm.sequence_classification_class(rm).from_pretrained(rm).eval()
+    processor = AutoProcessor.from_pretrained(rm)
+
+    def reward(prompt: list, response: str) -> float:  # the pair as rm.py renders it, the response ended at its EOS
+        pair, _ = vlm.vlm_sample(processor, prompt + [{"role": "assistant", "content": response}], out, 256,
+                                 end_with_eos=True)
+        ids = torch.tensor([pair["input_ids"]])
+        with torch.no_grad():
+            return float(sequence_rewards(model, ids, torch.ones_like(ids), normalize=True,
+                                          **vlm.image_inputs(processor, [pair], packing=False)))
+
+    expected = [reward(row["prompt"], response) for row in scored for response in row["responses"]]
+    torch.testing.assert_close(torch.tensor([r for row in scored for r in row["rewards"]]), torch.tensor(expected),
+                               rtol=0, atol=1e-4)
+    assert len(scored) == 4 and len(expected) == 8
+    swapped = [reward(other["prompt"], response) for row, other in zip(scored, scored[1:] + scored[:1])
+               for response in row["responses"]]  # the same text beside another scene's image
+    assert max(abs(a - b) for a, b in zip(expected, swapped)) > 1e-3
+
+
 def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, tmp_path):
     from common.synthetic_image_task import CELL, GRID, write_image_task
     from common.synthetic_task import reward_fn
@@ -469,6 +510,11 @@ def test_the_image_task_draws_as_many_red_squares_as_its_answer_says(tiny_vlm, t
     assert set(counts) == {0, 1, 2, 3}
     pairs = data.load_records(files["preference_train"])
     assert all(pair["chosen"] == row["response"] != pair["rejected"] for pair, row in zip(pairs, rows))
+    held_out = data.load_records(files["preference_eval"])  # each held-out scene's count against every wrong one
+    for scene, label in zip(range(0, len(held_out), 3), data.load_records(files["prompts_eval"])):
+        assert {pair["chosen"] for pair in held_out[scene: scene + 3]} == {label["label"]}
+        assert sorted(pair["rejected"] for pair in held_out[scene: scene + 3]) == sorted({"0", "1", "2", "3"} -
+                                                                                         {label["label"]})
     labels = [row["label"] for row in data.load_records(files["prompts_train"])]
     assert reward_fn([None] * len(rows), [row["response"] for row in rows], labels) == [1.0] * len(rows)
     samples = vlm.build_vlm_sft_samples(rows, vlm.load_processor(tiny_vlm), files["sft_train"], "prompt",
@@ -543,3 +589,42 @@ def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_v
     assert os.path.exists(os.path.join(out, "adapter", "adapter_config.json"))  # the adapter alone, beside it
     AutoModelForImageTextToText.from_pretrained(out)
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
+
+
+# rm.py's ranking of the image task's held-out counts (docs/vlm.md), from an SFT that taught the tiny VLM the task
+# partly: pair accuracy above the best a scorer blind to the image can reach on the same pairs. Measured under seeds
+# 0-3: 89.6% / 76.7% / 82.3% / 55.2% against blind ceilings of 56.6% / 57.3% / 53.5% / 55.6%, i.e. +33.0 / +19.4 /
+# +28.8 / -0.3 points. Seed 3's reward model never left the loss plateau at log 2 in 64 steps (with 128: +2.8 points),
+# so the test fails under it until the recipe is made stronger; the threshold is half the lowest margin of seeds 0-2.
+RM_ABOVE_BLIND = 0.10
+
+
+def blind_ceiling(pairs: list[dict]) -> float:
+    """The highest pair accuracy of a reward model that ignores the image: it can only put the four counts in an order,
+    and the best order ranks the most pairs right (the held-out labels are not uniform, so this is above 50%)."""
+    return max(mean(order.index(p["chosen"]) > order.index(p["rejected"]) for p in pairs)
+               for order in itertools.permutations("0123"))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.learning
+def test_a_vlm_reward_model_ranks_held_out_counts_better_than_any_scorer_blind_to_the_image(tiny_vlm, tmp_path):
+    """sft.py teaches the tiny VLM the image task partly (its tower frozen, the default), rm.py trains a reward model
+    from it on the task's pairs, and its eval ranks each held-out scene's count above every wrong one more often than
+    any order of the four counts can: it reads the scene. From the random tiny VLM instead the reward model found no
+    signal (docs/vlm.md): the SFT is what gives the frozen tower's features a meaning the head can use."""
+    from common.synthetic_image_task import write_image_task
+
+    task = write_image_task(str(tmp_path / "task"), seed=SEED, num_train=512, num_eval=96)
+    sft, rm = str(tmp_path / "sft"), str(tmp_path / "rm")
+    flags = ["--apply_chat_template", "--max_len", "64", "--train_batch_size", "16", "--micro_train_batch_size", "16",
+              "--seed", str(SEED)]
+    run_script("sft.py", ["--pretrain", tiny_vlm, "--dataset", task["sft_train"], "--max_steps", "150",
+                          "--learning_rate", "3e-3", "--output_dir", sft, *flags])
+    run_script("rm.py", ["--pretrain", sft, "--dataset", task["preference_train"], "--eval_dataset",
+                         task["preference_eval"], "--max_steps", "64", "--learning_rate", "3e-4", "--output_dir", rm,
+                         *flags])
+    accuracy, blind = metrics(rm)[-1]["eval/accuracy"], blind_ceiling(data.load_records(task["preference_eval"]))
+    print(f"seed {SEED}: held-out pair accuracy {accuracy:.4f}, blind ceiling {blind:.4f}")
+    expect("held-out pair accuracy above the blind ceiling", accuracy - blind, ">=", RM_ABOVE_BLIND)

@@ -28,9 +28,12 @@ from common.tiny_vlm import IMAGE_TOKENS, write_tiny_vlm
 # vLLM's float32 log-probs against the trainer's: ~2e-7 on the tiny VLM; a stale layer gives 1e-3 and more.
 ROUNDING_LEVEL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The image task's learning test (launch/demo_vlm.py). Measured on seed 0 alone so far (docs/vlm.md; seeds 1-3 are
-# not measured yet): SFT 53.1% of the held-out scenes right (all it answered), GRPO 74.0%, a gain of 20.8 points;
-# chance is about 25%. The SFT bounds say it read the scenes and answered part; the gain threshold is half seed 0's.
+# The image task's learning test (launch/demo_vlm.py), measured under seeds 0-3 (docs/vlm.md; chance is about 25%):
+# SFT 53.1% / 59.4% / 51.0% / 54.2% of the held-out scenes right, GRPO 74.0% / 83.3% / 71.9% / 53.1%, gains of
+# 20.8 / 24.0 / 20.8 / -1.0 points. Seed 3's GRPO kept the refusal habit; run again from the same SFT model it gained
+# 15.6 points by step 20 (CPU runs are not bitwise repeatable), so 20 GRPO steps leave the gain to luck and the test
+# can fail until that stage is made stronger. The SFT bounds say it read the scenes and answered part; the gain
+# threshold is half the lowest gain of seeds 0-2.
 SFT_ABOVE, SFT_BELOW, GRPO_GAIN = 0.35, 0.65, 0.10
 
 
@@ -303,7 +306,7 @@ def test_sft_teaches_the_image_task_partly_and_grpo_improves_it(tmp_path):
     3 red squares answers part of the held-out scenes; GRPO with the rule reward removes the habit. The held-out
     scores are greedy transformers generations of the saved models; GRPO's own final evaluation, which vLLM sampled
     with each prompt's image through ppo_ray.py's engines, must agree with them (an engine given another prompt's
-    image answers at chance). Thresholds above the constants, from one seed so far."""
+    image answers at chance). Thresholds above the constants, measured under seeds 0-2 (seed 3's run failed)."""
     out = tmp_path / "demo"
     result = subprocess.run([sys.executable, "launch/demo_vlm.py", "--out", str(out), "--seed", str(SEED)],
                             cwd=ROOT, capture_output=True, text=True, timeout=3600)
