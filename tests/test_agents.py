@@ -378,16 +378,20 @@ def write_sum_problems(folder, seed: int, n_sft: int, n_prompts: int, tool_share
 
 
 def calculator_warm_start(folder, seed: int) -> tuple[str, dict]:
-    """The tool model after 300 SFT steps on the sum transcripts, half of them calling the calculator. Copying is
-    what it must learn: at seed 0 it then called the tool in 44% of 160 sampled first answers, each time with the
-    question's operands, and answered the tool's result in 40 of 40 greedy answers; at a learning rate of 2e-3 it
-    copied the result 30% of the time and the operands 2%, and with a quarter of the transcripts calling, operands
-    of 10-99 and 200 steps, it copied neither and GRPO found no reward (0.00-0.02 right in 10 steps)."""
+    """The tool model after 500 SFT steps at a peak learning rate of 1e-3 on the sum transcripts, half of them calling
+    the calculator. Copying (the question's operands into the call, the tool's result into the answer) is what it
+    must learn, and a tiny model learns it in a jump at a step that varies with the seed. Teacher-forced on 64 held-out
+    transcripts (the same optimizer and schedule in one process, 1 thread), under seeds 1, 2 and 3 both copies went
+    from under 10% right to 100% between steps 175 and 300, the operands first. The former warm start, 300 steps at
+    5e-3, jumped between steps 200 and 300 under seed 0 only; seed 1 had not by step 300, nor by step 600 of a
+    600-step run (41% of the results, 5% of the operands). After this SFT under seed 1, the model answered the tool's
+    result in 128 of 128 greedy answers and called the tool in 48 of 128 sampled first turns, 46 of them with the
+    question's operands."""
     files = write_sum_problems(folder, seed, n_sft=3000, n_prompts=1000, tool_share=0.5)
     sft = str(folder / "sft")
     run_script("sft.py", ["--pretrain", write_tool_model(str(folder / "tiny"), seed), "--dataset", files["sft"],
-                          "--input_key", "messages", "--apply_chat_template", "--max_len", "128", "--max_steps", "300",
-                          "--train_batch_size", "32", "--micro_train_batch_size", "32", "--learning_rate", "5e-3",
+                          "--input_key", "messages", "--apply_chat_template", "--max_len", "128", "--max_steps", "500",
+                          "--train_batch_size", "32", "--micro_train_batch_size", "32", "--learning_rate", "1e-3",
                           "--warmup_ratio", "0.05", "--logging_steps", "50", "--seed", str(seed), "--output_dir", sft])
     return sft, files
 
