@@ -9,7 +9,7 @@ files beside the JSONL rows that name them by relative path.
     python -m common.synthetic_image_task --out /tmp/image_task     # the files listed in write_image_task()
 
 With --refusal_rate 0.7 the SFT of `make demo-vlm` answers about half the held-out scenes and GRPO removes the habit
-(seeds 0, 1, 2: 53% -> 74%, 59% -> 83%, 51% -> 72%), though one run under seed 3 did not (54% -> 53%; docs/vlm.md).
+(seeds 0-3: 53% -> 93%, 59% -> 84%, 51% -> 81%, 54% -> 73% after 40 GRPO steps; docs/vlm.md).
 """
 
 import argparse

@@ -37,7 +37,7 @@ def main():
     parser.add_argument("--out", default="out/demo_vlm", help="output folder (emptied first)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model, the scenes and every script")
     parser.add_argument("--sft_steps", type=int, default=300, help="SFT steps of 16 scenes")
-    parser.add_argument("--grpo_steps", type=int, default=20, help="GRPO steps of 16 scenes x 8 responses")
+    parser.add_argument("--grpo_steps", type=int, default=40, help="GRPO steps of 16 scenes x 8 responses")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)
