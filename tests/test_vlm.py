@@ -551,6 +551,35 @@ def test_a_processor_whose_tokenizer_has_no_eos_is_refused(tiny_vlm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.extended
+def test_rm_trains_a_vlm_reward_model_packed_as_unpacked_and_with_lora(tiny_vlm, tmp_path):
+    """rm.py on the image task's pairs: --packing_samples trains the very losses of the padded batches (one row of
+    several pairs, each image still read by its own pair), and --lora_rank trains the language model alone (merged
+    into the saved model, the adapter beside it) and the new score head; the vision tower and the connector stay as
+    they were, and the folder reloads as common/vlm.py's reward model with its processor."""
+    from common.synthetic_image_task import write_image_task
+
+    task = write_image_task(str(tmp_path / "task"), seed=SEED, num_train=16, num_eval=4)
+    runs = {"padded": [], "packed": ["--packing_samples"], "lora": ["--lora_rank", "4", "--packing_samples"]}
+    for name, flags in runs.items():
+        run_script("rm.py", ["--pretrain", tiny_vlm, "--dataset", task["preference_train"], "--apply_chat_template",
+                             "--train_batch_size", "4", "--micro_train_batch_size", "4", "--max_steps", "2",
+                             "--learning_rate", "1e-2", "--max_len", "64", "--logging_steps", "1", "--output_dir",
+                             str(tmp_path / name), *flags])
+    losses = {name: [m["train/loss"] for m in metrics(str(tmp_path / name)) if "train/loss" in m] for name in runs}
+    assert len(losses["padded"]) == 2 and losses["padded"][0] != losses["padded"][1], losses  # the step moved it
+    torch.testing.assert_close(losses["packed"], losses["padded"], rtol=1e-5, atol=0)
+    before, after = (load_file(os.path.join(d, "model.safetensors")) for d in (tiny_vlm, str(tmp_path / "lora")))
+    assert set(after) == set(before) - {"lm_head.weight"} | {"score.weight"}
+    assert {".".join(name.split(".")[:2]) for name in after
+            if name in before and not torch.equal(before[name], after[name])} == {"model.text_model"}
+    assert os.path.exists(tmp_path / "lora" / "adapter" / "adapter_config.json")
+    reloaded = vlm.sequence_classification_class(str(tmp_path / "lora")).from_pretrained(tmp_path / "lora")
+    torch.testing.assert_close(reloaded.score.weight, after["score.weight"], rtol=0, atol=0)
+    assert AutoProcessor.from_pretrained(tmp_path / "lora").image_token == "<image>"
+
+
+@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("flags, changed", [
     ([], {"model.connector", "model.text_model", "lm_head.weight"}),
     (["--lora_rank", "4", "--packing_samples"], {"model.text_model"})], ids=["whole", "lora_packed"])
