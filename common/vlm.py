@@ -525,7 +525,6 @@ def reward_model_batch(processor, prompts: list, responses: list[str], images: l
     return {**batch, **(per_row_image_inputs(processor, rows, f"--reward_pretrain {path}") if any(images) else {})}
 
 
-
 def is_image_input(key: str) -> bool:
     """Whether a batch's tensor is an image input of the forward (pixel_values, pixel_attention_mask), cut by rows
     only: it has no token axis."""
