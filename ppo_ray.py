@@ -236,6 +236,8 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     packing_samples: bool = False
     """run the actor's, reference's and critic's micro-batches as one row without padding"""
+    share_prompts: bool = False
+    """compute each prompt once for all its samples in the actor's update (common/prompt_sharing.py)"""
     # --- LoRA (peft)
     lora_rank: int = 0
     """train LoRA adapters of this rank on the frozen actor and critic instead of every weight (0: every weight)"""
@@ -635,7 +637,7 @@ class ActorWorker(ModelWorker):
         scale = accumulation * self.world_size
         for epoch in range(args.max_epochs):
             micro_batches = split(experience, args.micro_train_batch_size, args.seed + epoch,
-                                  accumulation * args.micro_train_batch_size)
+                                  accumulation * args.micro_train_batch_size, args.share_prompts)
             for index, mb in enumerate(micro_batches):
                 if index % accumulation == 0:  # an optimizer step's first micro-batch: the count of its train batch
                     count = train_batch_count(micro_batches[index:index + accumulation], agg)
@@ -697,7 +699,7 @@ class CriticWorker(ModelWorker):
         scale = accumulation * self.world_size  # as in the actor's fit: each micro-batch's share of its train batch
         for epoch in range(args.max_epochs):
             micro_batches = split(experience, args.micro_train_batch_size, args.seed + epoch,
-                                  accumulation * args.micro_train_batch_size)
+                                  accumulation * args.micro_train_batch_size, args.share_prompts)
             for index, mb in enumerate(micro_batches):
                 if index % accumulation == 0:
                     count = train_batch_count(micro_batches[index:index + accumulation], "token-mean")

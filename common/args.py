@@ -147,7 +147,7 @@ PACKING_IGNORED = ("opt", "falcon", "bloom", "mpt", "xglm", "biogpt", "minimax",
 
 
 def check_packing(path: str, flag: str = "--pretrain", cuda: bool | None = None,
-                  attention: str | None = None) -> None:
+                  attention: str | None = None, option: str = "--packing_samples") -> None:
     """Refuse --packing_samples for a model whose samples would attend to each other in a packed row, silently
     mixing every packed loss (PACKING_IGNORED), from its config.json; and on a CUDA GPU where it would be slower
     (check_packing_attention). `cuda` and `attention` default to what this process sees and would load with."""
@@ -168,7 +168,7 @@ def check_packing(path: str, flag: str = "--pretrain", cuda: bool | None = None,
     if model_type in PACKING_IGNORED:
         raise UserError(f"{flag} {path} is a {model_type!r} model, whose attention does not restart at each "
                         f"sequence of a packed row: its packed samples would attend to each other. Leave out "
-                        f"--packing_samples.")
+                        f"{option}.")
 
 
 def check_packing_attention(cuda: bool, attention: str | None) -> None:

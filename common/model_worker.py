@@ -11,7 +11,7 @@ import random
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from common import lora, rewards, routing_replay
+from common import lora, prompt_sharing, rewards, routing_replay
 from common.args import check_packing
 from common.checkpoint import load_train_state, save_hf_model, save_train_state
 from common.data import generation_stop_ids
@@ -43,16 +43,20 @@ def train_or_eval_config(args, world_size: int, trainable: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- micro-batch cutting
-def split(batch: dict, size: int, shuffle_seed: int | None = None, sort_rows: int | None = None) -> list[dict]:
+def split(batch: dict, size: int, shuffle_seed: int | None = None, sort_rows: int | None = None,
+          by_prompt: bool = False) -> list[dict]:
     """Micro-batches of `size` rows on this worker's device, trimmed of right padding no row in them needs.
 
     shuffle_seed shuffles the rows first (each PPO epoch anew); sort_rows sorts each run of that many rows (an
-    optimizer step's) by length, so that short rows share micro-batches and pad less.
+    optimizer step's) by length, so that short rows share micro-batches and pad less. by_prompt (--share_prompts)
+    shuffles whole groups of rows sharing a prompt instead and keeps each group together.
     """
     order = list(range(len(batch["input_ids"])))
-    if shuffle_seed is not None:
+    if by_prompt:
+        order = prompt_sharing.group_order(batch, shuffle_seed)
+    elif shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(order)
-    if sort_rows:
+    if sort_rows and not by_prompt:
         lengths = batch["attention_mask"].sum(1).tolist()
         order = [i for start in range(0, len(order), sort_rows)
                  for i in sorted(order[start: start + sort_rows], key=lengths.__getitem__)]
@@ -72,10 +76,12 @@ def micro_batch(batch: dict, rows: list[int]) -> dict:
     return mb
 
 
-def in_length_order(batch: dict, size: int, forward, width: int | None = None) -> torch.Tensor:
-    """forward(micro-batch) over micro-batches of `size` rows taken shortest first; the results back in the batch's
-    row order, on CPU, a (rows, seq) result zero-padded to `width` columns."""
-    order = torch.argsort(batch["attention_mask"].sum(1), stable=True)
+def in_length_order(batch: dict, size: int, forward, width: int | None = None, by_prompt: bool = False) -> torch.Tensor:
+    """forward(micro-batch) over micro-batches of `size` rows taken shortest first (by_prompt: group after group of
+    rows sharing a prompt, for --share_prompts); the results back in the batch's row order, on CPU, a (rows, seq)
+    result zero-padded to `width` columns."""
+    order = (torch.tensor(prompt_sharing.group_order(batch)) if by_prompt
+             else torch.argsort(batch["attention_mask"].sum(1), stable=True))
     outputs = [forward(micro_batch(batch, order[i: i + size].tolist())) for i in range(0, len(order), size)]
     if width is not None:
         outputs = [torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outputs]
@@ -89,6 +95,7 @@ class ModelWorker(RayWorker):
     routes_from_vllm = True  # the policy's forwards take the experts vLLM chose (common/routing_replay.py)
     replay = None  # their routing_replay.Replay, made at the first batch that carries routes
     processor, placeholders = None, []  # a vision-language model's processor and image placeholder tokens
+    shared_checked = False  # whether --share_prompts' first micro-batch was compared with the padded forward
 
     def setup(self, args, path: str, total_steps: int | None = None, learning_rate: float = 0.0,
               scalar_head_flag: str | None = None):
@@ -137,10 +144,12 @@ class ModelWorker(RayWorker):
                       stop_ids=generation_stop_ids(self.tokenizer, self.args.apply_chat_template))
 
     # --- log-probs (policy, reference)
-    def _logprobs(self, batch, with_entropy=False):
+    def _logprobs(self, batch, with_entropy=False, share=True):
         """Log-probs of each next token at --temperature, (batch, seq - 1), and with_entropy each next-token
         distribution's entropy; 0 before the micro-batch's first response token, whose prompt needs no logits."""
         start = 0
+        if share and self.args.share_prompts:  # each prompt computed once for its samples (prompt_sharing.py)
+            return self._shared_logprobs(batch, with_entropy)
         if self.args.packing_samples:  # (1, total) each; no attention_mask: the restarting position_ids cut it
             input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])
             attention_mask = None
@@ -174,12 +183,34 @@ class ModelWorker(RayWorker):
             outputs = [torch.nn.functional.pad(o, (start, 0)) for o in outputs]  # (rows, seq - 1)
         return tuple(outputs) if with_entropy else outputs[0]
 
+    def _shared_logprobs(self, batch, with_entropy=False):
+        """_logprobs with each prompt computed once for the micro-batch's samples of it (common/prompt_sharing.py);
+        the first call also runs the padded forward and stops the run if the two differ beyond rounding."""
+        start = response_start(batch["action_mask"])
+        logits = prompt_sharing.next_token_logits(self.engine, batch, start).float() / self.args.temperature
+        if self.args.keep_sampling_mask:
+            logits = within_sampling_support(logits, batch["input_ids"][:, start + 1:], self.args.top_p)
+        outputs = [token_logprobs(logits, batch["input_ids"][:, start + 1:])]  # (rows, seq - 1 - start)
+        if with_entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.args.entropy_coef != 0):
+                outputs.append(entropy_from_logits(logits))
+        outputs = [torch.nn.functional.pad(o, (start, 0)) for o in outputs]  # (rows, seq - 1)
+        if not self.shared_checked:
+            self.shared_checked = True
+            with torch.no_grad():
+                padded = self._logprobs(batch, share=False)
+            float32 = next(self.engine.parameters()).dtype == torch.float32
+            prompt_sharing.check_once(outputs[0].detach(), padded, batch["action_mask"], self.args.pretrain,
+                                      1e-4 if float32 else 5e-2)
+        return tuple(outputs) if with_entropy else outputs[0]
+
     @torch.no_grad()
     def logprobs(self, batch: dict) -> torch.Tensor:
         """Log-probs of each next token, (batch, seq - 1), in micro-batches of --micro_rollout_batch_size."""
         self.use_cpu_threads("experience")
         self.engine.eval()
-        return in_length_order(batch, micro_rollout(self.args), self._logprobs, batch["action_mask"].shape[1])
+        return in_length_order(batch, micro_rollout(self.args), self._logprobs, batch["action_mask"].shape[1],
+                               self.args.share_prompts)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: dict) -> torch.Tensor:

@@ -124,6 +124,11 @@ def check_args(args) -> None:
     if not check_ppo_args(args):  # a vision-language policy is checked for what its images allow
         check_causal_lm(args.pretrain)
     routing_replay.check_flags(args)
+    if args.share_prompts and args.routing_replay:
+        raise UserError("--share_prompts packs each prompt once for its samples, and --routing_replay replays vLLM's "
+                        "experts row by row; leave out one of the two.")
+    if args.share_prompts:  # a packed row's samples must not read each other (common/prompt_sharing.py)
+        check_packing(args.pretrain, "--pretrain", cuda=False, option="--share_prompts")
     if args.packing_samples:  # the reward models score padded rows
         check_packing(args.pretrain)
         if args.advantage_estimator == "gae" and critic_path(args) != args.pretrain:  # the critic trains packed

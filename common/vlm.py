@@ -573,7 +573,9 @@ def check_ppo_args(args) -> bool:
                (args.lora_rank and not getattr(args, "freeze_vision_tower", True),
                 "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "
                 "--freeze_vision_tower false, or --lora_rank to train the tower"),
-               (args.packing_samples, "is trained on padded batches here: leave out --packing_samples")]
+               (args.packing_samples, "is trained on padded batches here: leave out --packing_samples"),
+               (getattr(args, "share_prompts", False), "computes each row with its images here: leave out "
+                                                       "--share_prompts")]
     for wrong, what in refused:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")

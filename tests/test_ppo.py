@@ -93,10 +93,11 @@ def test_gspo_on_the_grpo_recipe_learns(sft_model, task, tmp_path):
 def test_grpo_with_lora_syncs_merged_weights_and_learns(sft_model, task, tmp_path):
     """GRPO with LoRA adapters on 2 ZeRO-3 actor ranks: no reference workers start (the actor with its adapters off
     is the reference), and each sync sends only the adapted layers, merged, yet vLLM samples from exactly the
-    trainer's policy."""
+    trainer's policy. With --share_prompts (each prompt computed once for its 8 samples, the policy's and the
+    reference's log-probs alike): vLLM's log-probs are those of the shared forward too, after every sync."""
     out = str(tmp_path / "grpo_lora")
     scores, log = learn(sft_model, task, out, "grpo", "--actor_num_workers", "2", "--lora_rank", "16",
-                        "--lora_alpha", "32", "--actor_learning_rate", "2e-3")
+                        "--lora_alpha", "32", "--actor_learning_rate", "2e-3", "--share_prompts")
     assert max(m["vllm/logprob_diff"] for m in log) < 1e-4  # as with full fine-tuning
     assert log[-1]["objective/kl"] > 0.01  # the KL to the base model: the adapters are really off for it
     with open(os.path.join(out, "placement.json")) as f:
