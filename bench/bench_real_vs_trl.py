@@ -6,14 +6,16 @@ step, 24 steps, temperature 0.7, at most 32 new tokens, learning rate 5e-5 (cosi
 warmup, as ppo_ray.py's), no KL term (TRL's default beta is 0), one optimizer step per rollout, micro-batches of 8,
 float32, no gradient checkpointing (TRL's GRPOConfig turns it on by default; ppo_ray.py leaves it off). TRL
 generates with the model's own `generate` in its process; ppo_ray.py with a vLLM engine beside one DeepSpeed rank
-(ZeRO-0), syncing weights after each step. Each runs in a fresh process, one after the other, so that neither
-competes with the other for the cores. The table gives each run's wall-clock time, the machine's mean load average
-while it ran (other work on the machine slows a run, and the two runs may not have met the same), the share of sampled
-answers right at step 1 and over the last 6 steps, and the greedy answers to the demo's held-out questions after;
-the figure, the share right against seconds.
+(ZeRO-0), syncing weights after each step, once as the demo runs it and once with --share_prompts (each question's
+tokens computed once for its 4 samples in the update: the same loss up to float rounding for about half the
+arithmetic, as the questions are 42 tokens and the answers 8 to 25; common/prompt_sharing.py). Each run is a fresh
+process, one after the other, so that none competes with another for the cores. The table gives each run's
+wall-clock time, the machine's mean load average while it ran (other work on the machine slows a run, and the runs
+may not have met the same), the share of sampled answers right at step 1 and over the last 6 steps, and the greedy
+answers to the demo's held-out questions after; the figure, the share right against seconds.
 
     .venv/bin/python -m pip install -r requirements-dev.txt -c constraints.txt   # TRL is a dev requirement
-    .venv/bin/python bench/bench_real_vs_trl.py            # about 11 minutes on 2 quiet CPU cores
+    .venv/bin/python bench/bench_real_vs_trl.py            # about 15 minutes on 2 quiet CPU cores
 """
 
 import json
@@ -87,11 +89,12 @@ def trl_run(model_dir: str, prompts_file: str, steps: int, seed: int, out: str) 
     return {"seconds": clock.seconds, "scores": scores}
 
 
-def ppo_run(model_dir: str, prompts_file: str, steps: int, seed: int, out: str) -> dict:
-    """ppo_ray.py with the demo's flags; the seconds since the start (process start included) and the share right."""
+def ppo_run(model_dir: str, prompts_file: str, steps: int, seed: int, out: str, *extra: str) -> dict:
+    """ppo_ray.py with the demo's flags (and `extra`); the seconds since the start (process start included) and the
+    share right."""
     start = time.perf_counter()
     cmd = [sys.executable, os.path.join(ROOT, "ppo_ray.py"), "--pretrain", model_dir, "--prompt_data", prompts_file,
-           *GRPO_FLAGS, "--max_steps", str(steps), "--seed", str(seed), "--output_dir", out]
+           *GRPO_FLAGS, *extra, "--max_steps", str(steps), "--seed", str(seed), "--output_dir", out]
     with open(out + ".log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
     total = time.perf_counter() - start
@@ -156,14 +159,16 @@ def main(args: Args):
                                 capture_output=True, text=True)
     curves = {"TRL GRPOTrainer": json.loads(result.stdout.strip().splitlines()[-1])}
     curves["TRL GRPOTrainer"].update(total=time.perf_counter() - start, load=trl_load.mean)
-    start = time.perf_counter()
-    with LoadAverage() as ppo_load:
-        curves["ppo_ray.py"] = ppo_run(model_dir, task["prompts_train"], args.steps, args.seed,
-                                       os.path.join(args.out, "ppo"))
-    curves["ppo_ray.py"].update(total=time.perf_counter() - start, load=ppo_load.mean)
+    runs = {"ppo_ray.py": ("ppo", []), "ppo_ray.py --share_prompts": ("ppo_shared", ["--share_prompts"])}
+    for name, (folder, extra) in runs.items():
+        start = time.perf_counter()
+        with LoadAverage() as ppo_load:
+            curves[name] = ppo_run(model_dir, task["prompts_train"], args.steps, args.seed,
+                                   os.path.join(args.out, folder), *extra)
+        curves[name].update(total=time.perf_counter() - start, load=ppo_load.mean)
     held_out = held_out_questions(task["prompts_eval"], 64)
     base = answer(model_dir, held_out)["accuracy"]
-    for name, folder in (("TRL GRPOTrainer", "trl"), ("ppo_ray.py", "ppo")):
+    for name, folder in [("TRL GRPOTrainer", "trl")] + [(name, folder) for name, (folder, _) in runs.items()]:
         curves[name]["held_out"] = answer(os.path.join(args.out, folder), held_out)["accuracy"]
     plot(curves, os.path.join(args.out, "right_answers_vs_time.png"))
     with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -178,8 +183,10 @@ def main(args: Args):
     for name, c in curves.items():
         first, last = c["scores"][0], statistics.mean(c["scores"][-window:])
         print(f"| {name} | {c['total']:.0f} | {c['load']:.1f} | {first:.0%} / {last:.0%} | {c['held_out']:.0%} |")
-    ratio = curves["ppo_ray.py"]["total"] / curves["TRL GRPOTrainer"]["total"]
-    print(f"\nppo_ray.py took {ratio:.2f}x TRL's time; figure: {os.path.join(args.out, 'right_answers_vs_time.png')}")
+    print()
+    for name in runs:
+        print(f"{name} took {curves[name]['total'] / curves['TRL GRPOTrainer']['total']:.2f}x TRL's time")
+    print(f"figure: {os.path.join(args.out, 'right_answers_vs_time.png')}")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,9 @@ class ModelWorker(RayWorker):
                 if scalar_head_flag else {})
         model = load_model(path, config, gradient_checkpointing=args.gradient_checkpointing and trainable,
                            **head, **(lora.load_kwargs(args) if trainable else {}))
+        if getattr(args, "share_prompts", False) and not scalar_head_flag and model.config._attn_implementation not in (
+                "sdpa", "eager"):  # its samples are kept apart by a mask, which flash-attention's kernels do not take
+            model.set_attn_implementation("sdpa")
         if trainable:  # with --lora_rank: adapters on the frozen model (a critic's scalar head trains whole)
             model = lora.wrap(model, args, "SEQ_CLS" if scalar_head_flag else "CAUSAL_LM")
         # a vision-language model's processor is saved beside it; its tower (the critic's too) trains only where asked

@@ -8,10 +8,12 @@ prompt's gradients over its samples as n separate rows would. Where prompts are 
 a step's arithmetic goes: the real-model demo's prompts are 42 tokens and its answers 8 to 25 (docs/real_model.md).
 
 The mask is dense: a row of T tokens costs T x T of it, as transformers' sdpa packing does too (common/args.py
-check_packing_attention), so this serves short sequences and sdpa or eager attention. A model whose layers do not
-read the mask (recurrent or linear-attention layers, flash-attention's kernels, a sliding window the mask does not
-carry) would let the samples read each other: `check_once` compares the first shared micro-batch against the padded
-forward and stops the run where they differ.
+check_packing_attention), so this serves short sequences, with sdpa or eager attention (the workers load the policy
+with sdpa under --share_prompts: flash-attention's kernels take no such mask). A model whose layers do not read the
+mask (recurrent or linear-attention layers) would let the samples read each other: `check_once` compares the first
+shared micro-batch against the padded forward and stops the run where they differ. A sliding window is not in the
+mask: rows longer than the window would attend beyond it. A mixture of experts' load-balancing loss counts a shared
+prompt's tokens once.
 """
 
 import torch
@@ -92,6 +94,10 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: tor
 def next_token_logits(model, batch: dict, start: int) -> torch.Tensor:
     """The logits that predict each row's tokens start + 1 .. seq - 1, (rows, seq - 1 - start, vocab), from one
     forward of the packed row, the LM head run on the needed positions only."""
+    attention = getattr(getattr(getattr(model, "module", model), "config", None), "_attn_implementation", "sdpa")
+    if attention not in ("sdpa", "eager"):
+        raise UserError(f"--share_prompts keeps a shared prompt's samples apart with an attention mask, which "
+                        f"{attention} does not take (the workers load it with sdpa); leave out --share_prompts.")
     dtype = next(model.parameters()).dtype
     ids, position_ids, mask, keep, where = pack(batch["input_ids"], batch["attention_mask"], batch["action_mask"],
                                                 start, dtype)

@@ -179,6 +179,7 @@ LAYOUTS = {
     "colocate_all": (["--colocate_all"], 0, 0),  # 0, 0
     "colocate pairs": (["--colocate_actor_ref", "--colocate_critic_reward"], 0, 0),  # 0, 0
     "packing": (["--packing_samples"], 1e-6, 1e-4),  # 3.7e-8, 3.1e-6
+    "share_prompts": (["--share_prompts"], 1e-6, 1e-4),  # 6.0e-8, 5.6e-6
 }
 
 
@@ -190,7 +191,8 @@ def test_a_layout_that_moves_the_math_around_leaves_the_run_as_it_was(layout, ga
     """GAE with a reward model and a critic, in another layout: ZeRO stage 2 or 3 instead of 0 (actor and critic),
     the actor over 2 ranks (ZeRO-3) for the same global batch, micro-batches of 4 instead of 16 (8 accumulated instead
     of 2), every role and the engine colocated, the reference on the actor's workers and the reward model on the
-    critic's, packed micro-batches instead of padded ones. Every metric of both steps and the saved actor agree to
+    critic's, packed micro-batches instead of padded ones, each prompt computed once for its 2 samples (the actor's
+    update, its log-probs and the reference's). Every metric of both steps and the saved actor agree to
     float rounding."""
     flags, metric_tolerance, weight_tolerance = LAYOUTS[layout]
     _, out = gae_run

@@ -184,3 +184,12 @@ def test_share_prompts_is_refused_where_it_cannot_apply(tiny_model, tmp_path):
     with pytest.raises(UserError, match=r"--share_prompts .* --routing_replay .* leave out one of the two\.$"):
         ppo_ray.check_args(parse_args(ppo_ray.Args, ["--pretrain", moe, "--routing_replay", *base]))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_computing_with_flash_attention_is_refused_by_the_shared_forward(tiny_model):
+    """flash-attention's kernels take no (tokens x tokens) mask: the samples would read each other unseen."""
+    batch = rollout(AutoTokenizer.from_pretrained(tiny_model))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UserError, match=r"--share_prompts .* which flash_attention_2 does not take"):
+        prompt_sharing.next_token_logits(model, batch, 0)
