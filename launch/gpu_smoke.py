@@ -96,6 +96,7 @@ def commands(out: str, gpus: int, flash_attn: bool = True) -> list[tuple[str, li
         ("ppo_critic", [*ppo, "--reward_pretrain", rm, "--advantage_estimator", "gae", "--colocate_all"]),
         ("ppo_async", [*ppo, *rule, "--async_rollouts", "--colocate_actor_ref"]),
         ("ppo_packing", [*ppo, *rule, "--packing_samples", "--colocate_all"]),
+        ("ppo_shared", [*ppo, *rule, "--share_prompts", "--colocate_all"]),  # sdpa with a mask, in bf16
         ("ppo_lora", [*ppo, *rule, "--lora_rank", "16", "--colocate_all"]),
         ("ppo_qlora", [*ppo, *rule, "--lora_rank", "16", "--load_in_4bit", "--colocate_all"]),
         ("base_moe", [PY, "-m", "common.tiny_model", "--out", moe, "--architecture", "mixtral"]),
