@@ -166,8 +166,8 @@ class ModelWorker(RayWorker):
             self.replay = routing_replay.Replay(self.engine)
         if self.replay:  # until the next forward: a checkpointed layer's recomputation routes as this forward did
             self.replay.set(routes, self.args.routing_replay)
-        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start,
-                                   **forward_images(self.engine, batch))  # a vision-language model's images
+        images = forward_images(self.engine, batch, packed=self.args.packing_samples)  # a VLM's, as the rows are
+        logits = next_token_logits(self.engine, input_ids, attention_mask, position_ids, start, **images)
         logits = logits.float() / self.args.temperature  # the policy vLLM sampled from
         if self.placeholders:  # a vision-language model's image placeholders, which vLLM never samples (a softmax
             # of the float minimum is 0, where -inf would make the entropy NaN)
@@ -237,11 +237,12 @@ class ModelWorker(RayWorker):
 
     def _values(self, batch: dict) -> torch.Tensor:
         """The value at each position that predicts a next token, (batch, seq - 1), aligned with the log-probs."""
-        if not self.args.packing_samples:  # a vision-language critic reads the rows' images
+        images = forward_images(self.engine, batch, packed=self.args.packing_samples)  # a VLM critic reads them
+        if not self.args.packing_samples:
             return token_values(self.engine, batch["input_ids"], batch["attention_mask"], self._normalizes(),
-                                **forward_images(self.engine, batch))[:, :-1]
+                                **images)[:, :-1]
         input_ids, position_ids, index = pack_rows(batch["input_ids"], batch["attention_mask"])  # (1, total) each
-        values = packed_token_values(self.engine, input_ids, position_ids, self._normalizes())  # (1, total)
+        values = packed_token_values(self.engine, input_ids, position_ids, self._normalizes(), **images)  # (1, total)
         return unpack(values, index, batch["input_ids"].shape)[:, :-1]
 
     @torch.no_grad()

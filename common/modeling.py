@@ -228,10 +228,11 @@ def final_hidden_states(model, **inputs) -> torch.Tensor:
     return model(**inputs, output_hidden_states=[last_layer], use_cache=False).hidden_states[-1]
 
 
-def packed_token_values(model, input_ids, position_ids, normalize: bool = False) -> torch.Tensor:
-    """token_values for a packed (1, total) row whose position_ids restart at 0 at each sequence: (1, total)."""
+def packed_token_values(model, input_ids, position_ids, normalize: bool = False, **inputs) -> torch.Tensor:
+    """token_values for a packed (1, total) row whose position_ids restart at 0 at each sequence: (1, total).
+    `inputs`: a vision-language critic's image inputs of the packed row (common/vlm.py packed_image_inputs)."""
     base, _, head = scalar_head_parts(model)
-    hidden = final_hidden_states(model, input_ids=input_ids, position_ids=position_ids)  # (1, total, hidden)
+    hidden = final_hidden_states(model, input_ids=input_ids, position_ids=position_ids, **inputs)  # (1, total, hidden)
     values = head(hidden).squeeze(-1).float()
     return normalize_reward(values, base.config) if normalize else values
 

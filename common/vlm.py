@@ -531,14 +531,46 @@ def is_image_input(key: str) -> bool:
     return key.startswith("pixel_")
 
 
-def forward_images(model, batch: dict) -> dict[str, torch.Tensor]:
+def forward_images(model, batch: dict, packed: bool = False) -> dict[str, torch.Tensor]:
     """The micro-batch's image inputs for the model's forward, or none where its rows hold no image token: a batch of
-    padding images alone would run the vision tower on nothing."""
+    padding images alone would run the vision tower on nothing. `packed`: for the forward of its rows packed into one
+    (common/modeling.py pack_rows), laid out as packed_image_inputs lays them."""
     inputs = {key: value for key, value in batch.items() if is_image_input(key)}
     if not inputs:  # a text model's batch
         return {}
     image_token = getattr(getattr(model, "module", model).config, "image_token_id", None)
-    return inputs if (batch["input_ids"] == image_token).any() else {}
+    if not (batch["input_ids"] == image_token).any():
+        return {}
+    return packed_image_inputs(inputs) if packed else inputs
+
+
+def packed_image_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-row image inputs, (rows, images, ...) each (Idefics3: pixel_values (rows, images, 3, H, W) and
+    pixel_attention_mask (rows, images, H, W)), as the inputs of those rows packed into one: (1, images, ...), every
+    row's images in the order of the rows, which is the order pack_rows packs their tokens in. The forward fills the
+    packed row's image tokens with image features in that order, so each packed sample reads its own images.
+
+    The padding images of the rows holding fewer than the batch's most (all zero: the processor pads with zeros, and
+    Idefics3's forward drops such images itself) are left out, so the result is what the processor makes of the
+    samples' images as one packed row (image_inputs with packing; packs_images_by_row checks a processor does so)."""
+    real = torch.stack([value.flatten(2).ne(0).any(-1) for value in inputs.values()]).any(0)  # (rows, images)
+    return {key: value[real][None] for key, value in inputs.items()}
+
+
+def packs_images_by_row(processor) -> bool:
+    """Whether the processor lays out a packed row's images as packed_image_inputs turns its padded rows into one, so
+    that ppo_ray.py can pack the experience's per-row images on its workers (--packing_samples). Idefics3's and
+    SmolVLM's do; a processor whose tensors have no per-row image axis (PaliGemma's (images, 3, H, W)) does not."""
+    from PIL import Image
+
+    rows = [{"images": [Image.new("RGB", (8, 8), colour)]} for colour in ("red", "blue")]
+    padded, packed = image_inputs(processor, rows, packing=False), image_inputs(processor, rows, packing=True)
+    try:
+        from_rows = packed_image_inputs(padded)
+    except (IndexError, RuntimeError):  # a tensor with fewer than two axes before its values
+        return False
+    return packed.keys() == from_rows.keys() and all(
+        packed[key].shape == from_rows[key].shape and torch.equal(packed[key], from_rows[key]) for key in packed)
 
 
 def frozen_tower_names(model) -> set[str]:
@@ -573,7 +605,9 @@ def check_ppo_args(args) -> bool:
                (args.lora_rank and not getattr(args, "freeze_vision_tower", True),
                 "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "
                 "--freeze_vision_tower false, or --lora_rank to train the tower"),
-               (args.packing_samples, "is trained on padded batches here: leave out --packing_samples"),
+               (args.packing_samples and not packs_images_by_row(cached_processor(args.pretrain)),
+                "is packed here only when its processor gives each row's images along a second axis (Idefics3's, "
+                "SmolVLM's), and its processor does not: leave out --packing_samples"),
                (getattr(args, "share_prompts", False), "computes each row with its images here: leave out "
                                                        "--share_prompts")]
     for wrong, what in refused:

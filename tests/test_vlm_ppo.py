@@ -96,6 +96,81 @@ def test_the_experience_carries_each_responses_images_by_row_and_micro_batches_k
     assert vlm.forward_images(model, mb).keys() == {"pixel_values", "pixel_attention_mask"}
 
 
+def experience_batch(tiny_vlm: str, image_task: dict, tmp_path) -> tuple[dict, list[dict]]:
+    """build_batch's rows with the experience's image inputs (experience_images), and the prompts: 5 scenes, one
+    prompt holding two of them (so every other row carries a padding image), and a text prompt; 2 responses each, of
+    different lengths, some ended by the EOS."""
+    with open(image_task["prompts_train"]) as f:
+        rows = [json.loads(line) for line in f][:6]
+    folder = os.path.dirname(image_task["prompts_train"])
+    for row in rows:
+        for part in row["prompt"][0]["content"]:
+            part.update({"image": os.path.join(folder, part["image"])} if part["type"] == "image" else {})
+    rows[2]["prompt"][0]["content"].insert(0, rows[5].pop("prompt")[0]["content"][0])  # scenes 5 and 2, in order
+    rows[5]["prompt"] = "How many red squares are there in a picture you cannot see?"
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    prompts = load_prompts(ppo_args(tiny_vlm), processor.tokenizer, str(source), "train")
+    assert [len(p["images"]) for p in prompts] == [1, 1, 2, 1, 1, 0]
+    g = torch.Generator().manual_seed(SEED)
+    eos = processor.tokenizer.eos_token_id
+    samples = [[{"token_ids": torch.randint(6, 324, (n,), generator=g).tolist() + [eos] * (n % 2), "logprobs": None}
+                for n in (2 + i, 7 - i)] for i in range(len(prompts))]  # ids 6-323: text, no image token
+    batch = ppo_ray.build_batch([p["ids"] for p in prompts], samples, processor.tokenizer.pad_token_id)
+    return {**batch, **vlm.experience_images(tiny_vlm, prompts, samples)}, prompts
+
+
+def test_packed_image_inputs_are_every_rows_images_in_row_order_as_the_processor_packs_them(tiny_vlm, image_task,
+                                                                                             tmp_path):
+    batch, prompts = experience_batch(tiny_vlm, image_task, tmp_path)
+    assert batch["pixel_values"].shape[:2] == (12, 2)  # (rows, the most images a row holds, ...)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    for rows in ([0, 1, 2, 3], [4, 5, 10, 6, 11, 1], [7, 8, 9]):  # micro-batches in the order in_length_order takes
+        packed = vlm.packed_image_inputs({key: batch[key][rows] for key in ("pixel_values", "pixel_attention_mask")})
+        expected = vlm.image_inputs(processor, [{"images": prompts[row // 2]["images"]} for row in rows], packing=True)
+        assert packed.keys() == expected.keys()
+        for key in packed:
+            assert torch.equal(packed[key], expected[key]), key
+    assert vlm.packs_images_by_row(processor)
+
+
+def test_packed_logprobs_and_values_of_an_experience_with_images_equal_the_padded_ones_row_by_row(
+        tiny_vlm, image_task, tmp_path):
+    """--packing_samples on a VLM policy: the actor's (and reference's) log-probs and a VLM critic's values of the
+    experience, micro-batches packed, equal the padded ones row by row; with two rows' images swapped the packed
+    log-probs of those rows change, so each packed sample reads its own images."""
+    from test_ppo_packing import RecordingEngine, worker
+
+    from common.model_worker import ModelWorker
+
+    batch, _ = experience_batch(tiny_vlm, image_task, tmp_path)
+    policy = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32)
+    padded, packed = (worker(ModelWorker, RecordingEngine(policy), packing_samples=packing,
+                             micro_train_batch_size=4).logprobs(batch) for packing in (False, True))
+    mask = batch["action_mask"].bool()
+    gap = (packed - padded).abs()[mask].max()
+    print(f"packed against padded log-probs: at most {gap:.2e} apart")
+    assert gap < 1e-5 and (packed[~mask & ~batch["attention_mask"][:, 1:].bool()] == 0).all()
+
+    swapped = dict(batch, **{key: batch[key][[2, 1, 0, *range(3, 12)]] for key in ("pixel_values",
+                                                                                    "pixel_attention_mask")})
+    with_swapped = worker(ModelWorker, RecordingEngine(policy), packing_samples=True,
+                          micro_train_batch_size=4).logprobs(swapped)
+    moved = (with_swapped - packed).abs().amax(1)  # rows 0 and 2: two scenes' prompts, their images swapped
+    print(f"each row's log-probs moved by at most {moved.tolist()} with rows 0 and 2's images swapped")
+    assert moved[[0, 2]].min() > 1e-3 and moved[[1, *range(3, 12)]].max() < 1e-5
+
+    torch.manual_seed(SEED)
+    critic = vlm.sequence_classification_class(tiny_vlm).from_pretrained(tiny_vlm, num_labels=1, dtype=torch.float32)
+    critic.config.pad_token_id = 0
+    padded, packed = (worker(ppo_ray.CriticWorker, RecordingEngine(critic), packing_samples=packing,
+                             micro_train_batch_size=4).values(batch) for packing in (False, True))
+    real = batch["attention_mask"][:, :-1].bool()
+    print(f"packed against padded values: at most {(packed - padded).abs()[real].max():.2e} apart")
+    torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
+
+
 def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
     from transformers import AutoConfig
 
@@ -113,7 +188,6 @@ def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
     ({"ptx_data": "p.jsonl"}, "--ptx_data"),
     ({"async_rollouts": True, "partial_rollouts": True}, "leave out --partial_rollouts"),
     ({"lora_rank": 8, "freeze_vision_tower": False}, "leave out --freeze_vision_tower false, or --lora_rank"),
-    ({"packing_samples": True}, "leave out --packing_samples"),
 ])
 def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(tiny_vlm, tiny_model, flags, message):
     """A reward model or critic that reads text alone cannot score image prompts; vision-language ones can."""
@@ -124,6 +198,23 @@ def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(
     assert vlm.check_ppo_args(ppo_args(tiny_vlm))
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, lora_rank=8))  # adapters on the language model, the tower frozen
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, advantage_estimator="gae", reward_pretrain=[tiny_vlm]))
+    assert vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))  # Idefics3's images are per row
+
+
+def test_packing_is_refused_for_a_processor_whose_images_are_not_per_row(tiny_vlm, monkeypatch):
+    """A processor that stacks every image of a batch along its first axis (PaliGemma's SigLIP image processor:
+    (images, 3, H, W)) gives no row's images apart, so the experience's images cannot be packed row by row: refused
+    in one sentence."""
+    from transformers import SiglipImageProcessorPil
+
+    processor = SimpleNamespace(image_processor=SiglipImageProcessorPil(size={"height": 16, "width": 16}))
+    assert not vlm.packs_images_by_row(processor)
+    monkeypatch.setattr(vlm, "cached_processor", lambda path: processor)
+    with pytest.raises(UserError, match=r"^--pretrain .* is a vision-language model, which is packed here only when "
+                                        r"its processor gives each row's images along a second axis .* leave out "
+                                        r"--packing_samples\.$"):
+        vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))
+    assert vlm.check_ppo_args(ppo_args(tiny_vlm))
 
 
 LENGTH_REWARD = """
@@ -199,6 +290,20 @@ def test_grpo_with_the_vision_tower_frozen_leaves_it_out_of_the_sync(tiny_vlm, i
     tower = parameter_bytes(tiny_vlm, "model.vision_model")
     assert all(row["weight_sync/bytes"] == parameter_bytes(tiny_vlm) - tower for row in rows)
     assert changed_parts(tiny_vlm, out) == {"model.connector", "model.text_model", "lm_head.weight"}
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_grpo_with_packed_samples_reads_each_ones_images_and_vllm_follows_the_trainer(tiny_vlm, image_task, tmp_path):
+    """--packing_samples on a VLM policy, its tower trained: the actor's packed forwards (experience and update) give
+    each sample its own images, so vLLM's log-probs of its samples equal the trainer's after every sync."""
+    out = str(tmp_path / "ppo")
+    rows = grpo(tiny_vlm, image_task, out, "--packing_samples", "--freeze_vision_tower", "false")
+    diffs = [row["vllm/logprob_diff"] for row in rows]
+    print(f"vllm/logprob_diff {diffs}")
+    assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer after a sync: {diffs}"
+    assert changed_parts(tiny_vlm, out) == {"model.vision_model", "model.connector", "model.text_model",
+                                            "lm_head.weight"}
 
 
 @pytest.mark.slow
