@@ -38,8 +38,9 @@ def trainer_logprobs(model, batch: dict, replay: bool = False, packing: bool = F
     """The actor's log-probs of the batch through ModelWorker._logprobs, and moe/route_mismatch of that pass."""
     worker = ModelWorker.__new__(ModelWorker)  # the rank's forward alone: no Ray, no DeepSpeed
     worker.engine = model
-    worker.args = argparse.Namespace(packing_samples=packing, temperature=1.0, routing_replay=replay, entropy_coef=0,
-                                     top_p=top_p, keep_sampling_mask=keep_sampling_mask)
+    worker.args = argparse.Namespace(packing_samples=packing, share_prompts=False, temperature=1.0,
+                                     routing_replay=replay, entropy_coef=0, top_p=top_p,
+                                     keep_sampling_mask=keep_sampling_mask)
     with torch.no_grad():
         logprobs = worker._logprobs(batch)
     if worker.replay:
@@ -224,8 +225,8 @@ def test_a_checkpointed_backward_routes_its_recomputation_as_the_forward(tmp_pat
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         worker = ModelWorker.__new__(ModelWorker)
         worker.engine = model
-        worker.args = argparse.Namespace(packing_samples=False, temperature=1.0, routing_replay=replay,
-                                         entropy_coef=0, keep_sampling_mask=False)
+        worker.args = argparse.Namespace(packing_samples=False, share_prompts=False, temperature=1.0,
+                                         routing_replay=replay, entropy_coef=0, keep_sampling_mask=False)
         worker._logprobs(batch).sum().backward()
         return torch.cat([r.weight.grad.flatten() for r in routing_replay.trainer_routers(model)])
 
