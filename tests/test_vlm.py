@@ -620,6 +620,140 @@ def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_v
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
 
 
+# ------------------------------------------------------------------------------------ 2-rank ZeRO-3 runs
+# 2 ranks under ZeRO-3 against 1 rank, 3 steps at 1e-2 (one thread). The first step starts from the same weights on
+# both and its logged loss and mean rewards were equal to the last bit (seeds 0 and 1): only the order of float sums
+# differs. Later steps drift as Adam scales the gradients' rounding differences up (seeds 0 and 1, relative): sft.py's
+# losses agreed to 2.3e-6, rm.py's to 2.1e-5 and its mean rewards to 4.2e-5; the saved weights to 5.1e-5 and the
+# reward models' held-out scores to 6.4e-4 (their spread, std 0.033 and 1.06). The tolerances are about 5x those.
+# One rank reading its images mirrored moved the first step's sft.py loss by 3.1e-4 and rm.py's mean chosen reward by
+# 1.3e-2 (relative; docs/vlm.md).
+FIRST_STEP_RTOL, LATER_STEPS_RTOL, WEIGHT_ATOL, SCORE_ATOL = 1e-6, 2e-4, 3e-4, 3e-3
+
+
+def assert_steps_agree(one: list[float], two: list[float]) -> None:
+    """One quantity logged at each step of the 1-rank and the 2-rank run: equal within rounding at the first step,
+    within the drift Adam adds at the later ones."""
+    torch.testing.assert_close(two[:1], one[:1], rtol=FIRST_STEP_RTOL, atol=0)
+    torch.testing.assert_close(two, one, rtol=LATER_STEPS_RTOL, atol=1e-6)
+
+
+def scenes_one_or_two_a_row(task_file: str) -> str:
+    """The image task's rows with every third one asking about two scenes (its own and the next row's), answered for
+    both: the two ranks' micro-batches then hold different numbers of images and of trained tokens, so each rank's
+    vision tower runs on its own batch shape and a step's tokens fall unevenly on the ranks."""
+    rows, question = data.load_records(task_file), {"type": "text", "text": "How many red squares in each?"}
+    for i, row in enumerate(rows[::3]):
+        other = rows[(3 * i + 1) % len(rows)]
+        images = [part for r in (row, other) for part in r["prompt"][0]["content"] if part["type"] == "image"]
+        row["prompt"] = [{"role": "user", "content": [*images, question]}]
+        for key in ("response", "chosen", "rejected"):
+            if key in row:
+                row[key] = f"{row[key]} and {other.get('response', other.get('chosen'))}"
+    return write_jsonl(task_file.replace(".jsonl", "_two_scenes.jsonl"), rows)
+
+
+def one_and_two_rank_runs(script: str, tiny_vlm: str, dataset: str, eval_dataset: str, tmp_path) -> dict[str, str]:
+    """`script` on the same 8 rows a step (micro-batches of 2), same seed, as 2 ranks under ZeRO-3 (the patch
+    embedding and the language model's matrices partitioned) and as 1 rank (no ZeRO); returns each run's folder."""
+    outs = {}
+    for name, ranks, stage in (("one", 1, []), ("two", 2, ["--zero_stage", "3"])):
+        outs[name] = str(tmp_path / f"{script.removesuffix('.py')}_{name}_rank")
+        run_script(script, ["--pretrain", tiny_vlm, "--dataset", dataset, "--eval_dataset", eval_dataset,
+                            "--apply_chat_template", "--max_len", "64", "--train_batch_size", "8",
+                            "--micro_train_batch_size", "2", "--max_steps", "3", "--learning_rate", "1e-2",
+                            "--logging_steps", "1", "--seed", str(SEED), "--output_dir", outs[name], *stage],
+                   nprocs=ranks, timeout=600)
+    return outs
+
+
+def image_task_one_or_two_scenes(tmp_path, kind: str) -> tuple[str, str]:
+    """The image task's `kind` rows (sft or preference), training and held-out, with two scenes in every third row;
+    5 held-out scenes, so that one rank's share of the eval is a micro-batch short and runs a pass that counts for
+    nothing (every rank must run as many forwards under ZeRO-3)."""
+    from common.synthetic_image_task import write_image_task
+
+    task = write_image_task(str(tmp_path / "task"), seed=SEED, num_train=16, num_eval=5)
+    return scenes_one_or_two_a_row(task[f"{kind}_train"]), scenes_one_or_two_a_row(task[f"{kind}_eval"])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_sft_trains_a_vlm_under_zero3_on_two_ranks_as_on_one_and_saves_it_whole(tiny_vlm, tmp_path):
+    """sft.py on image rows, 2 ranks under ZeRO-3 against 1 rank: the same losses step by step, and a saved folder that
+    plain transformers loads with its processor, its frozen vision tower as it was, its language model trained, and
+    that scores the held-out rows as the run did."""
+    import sft
+
+    dataset, eval_dataset = image_task_one_or_two_scenes(tmp_path, "sft")
+    outs = one_and_two_rank_runs("sft.py", tiny_vlm, dataset, eval_dataset, tmp_path)
+    losses = {name: [m["train/loss"] for m in metrics(out) if "train/lr" in m] for name, out in outs.items()}
+    print(f"sft.py losses, one rank then two: {losses}")
+    assert len(losses["one"]) == 3 and losses["one"][2] < losses["one"][0] - 0.5, losses  # it trained
+    assert_steps_agree(losses["one"], losses["two"])
+    eval_losses = [metrics(outs[name])[-1]["eval/loss"] for name in ("one", "two")]
+    torch.testing.assert_close(eval_losses[1], eval_losses[0], rtol=LATER_STEPS_RTOL, atol=0)
+
+    model = AutoModelForImageTextToText.from_pretrained(outs["two"]).eval()
+    processor = AutoProcessor.from_pretrained(outs["two"])
+    assert processor.image_token == "<image>"
+    assert changed_parts(tiny_vlm, outs["two"]) == {"model.connector", "model.text_model", "lm_head.weight"}
+    one = AutoModelForImageTextToText.from_pretrained(outs["one"])
+    diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), one.state_dict().values()))
+    print(f"sft.py: the two saved models' weights differ by {diff:.2e} at most")
+    assert diff < WEIGHT_ATOL
+    # The eval loss the 2-rank run computed in memory after its last step, recomputed from the saved folder alone.
+    samples = vlm.build_vlm_sft_samples(data.load_records(eval_dataset), processor, eval_dataset, "prompt",
+                                        "response", 64, log=lambda msg: None)
+    batch = sft.collate(samples, processor.tokenizer, False, "cpu", processor)
+    with torch.no_grad():
+        recomputed = sft.sft_loss(sft.forward_logprobs(model, batch), batch["loss_mask"]).item()
+    print(f"sft.py: eval loss {eval_losses}, recomputed from the 2-rank folder {recomputed}")
+    assert abs(recomputed - eval_losses[1]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_rm_trains_a_vlm_reward_model_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path):
+    """rm.py on image pairs, 2 ranks under ZeRO-3 against 1 rank: the same losses and rewards step by step, a saved
+    reward model that common/vlm.py's class loads with its processor, its frozen vision tower as it was and its
+    language model trained, that scores the held-out pairs as the run did and as the 1-rank run's model does."""
+    import rm
+
+    dataset, eval_dataset = image_task_one_or_two_scenes(tmp_path, "preference")
+    outs = one_and_two_rank_runs("rm.py", tiny_vlm, dataset, eval_dataset, tmp_path)
+    logged = {name: [m for m in metrics(out) if "train/lr" in m] for name, out in outs.items()}  # the steps' rows
+    steps = {key: [[m[key] for m in logged[name]] for name in ("one", "two")]
+             for key in ("rewards/chosen", "rewards/rejected", "train/loss")}
+    print(f"rm.py, one rank then two: {steps}")
+    for one, two in steps.values():
+        assert len(one) == 3 and len(set(one)) == 3, one  # the steps moved it
+        assert_steps_agree(one, two)
+
+    before = load_file(os.path.join(tiny_vlm, "model.safetensors"))
+    after = load_file(os.path.join(outs["two"], "model.safetensors"))
+    assert set(after) == set(before) - {"lm_head.weight"} | {"score.weight"}
+    assert {".".join(name.split(".")[:2]) for name in after
+            if name in before and not torch.equal(before[name], after[name])} == {"model.connector", "model.text_model"}
+    processor = AutoProcessor.from_pretrained(outs["two"])
+    args = rm.Args(pretrain=outs["two"], apply_chat_template=True, max_len=64)
+    pairs = rm.load_pairs(args, processor.tokenizer, eval_dataset, "train", log=lambda msg: None, processor=processor)
+    batch = rm.collate(pairs, processor.tokenizer, False, "cpu", processor)
+    scores = {}
+    for name, out in outs.items():
+        model = vlm.sequence_classification_class(out).from_pretrained(out).eval()
+        assert model.config.architectures == ["Idefics3ForSequenceClassification"]
+        with torch.no_grad():
+            scores[name] = torch.cat(rm.forward_rewards(model, batch))  # (2 * pairs,)
+    run_mean = metrics(outs["two"])[-1]["eval/reward_mean"]  # the run's own eval after its last step, on 2 ranks
+    print(f"rm.py: held-out scores of the two runs' models differ by {(scores['two'] - scores['one']).abs().max():.2e}"
+          f" at most, spread (std) {scores['one'].std():.3f}; the 2-rank run's eval reward mean {run_mean}, "
+          f"recomputed from its folder {scores['two'].mean()}")
+    assert abs(scores["two"].mean().item() - run_mean) < 1e-5
+    assert scores["one"].std() > 3 * SCORE_ATOL  # pairs score apart (std 0.033 and 1.06 seen), beyond the tolerance
+    torch.testing.assert_close(scores["two"], scores["one"], rtol=0, atol=SCORE_ATOL)
+
+
 # rm.py's ranking of the image task's held-out counts (docs/vlm.md), from an SFT that taught the tiny VLM the task
 # partly: pair accuracy above the best a scorer blind to the image can reach on the same pairs. Measured under seeds
 # 0-3: 89.6% / 76.7% / 82.3% / 55.2% against blind ceilings of 56.6% / 57.3% / 53.5% / 55.6%, i.e. +33.0 / +19.4 /
