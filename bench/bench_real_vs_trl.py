@@ -6,9 +6,9 @@ step, 24 steps, temperature 0.7, at most 32 new tokens, learning rate 5e-5 (cosi
 warmup, as ppo_ray.py's), no KL term (TRL's default beta is 0), one optimizer step per rollout, micro-batches of 8,
 float32, no gradient checkpointing (TRL's GRPOConfig turns it on by default; ppo_ray.py leaves it off). TRL
 generates with the model's own `generate` in its process; ppo_ray.py with a vLLM engine beside one DeepSpeed rank
-(ZeRO-0), syncing weights after each step, once as the demo runs it and once with --share_prompts (each question's
-tokens computed once for its 4 samples in the update: the same loss up to float rounding for about half the
-arithmetic, as the questions are 42 tokens and the answers 8 to 25; common/prompt_sharing.py). Each run is a fresh
+(ZeRO-0), syncing weights after each step, once padded and once with --share_prompts as make demo-real runs it
+(each question's tokens computed once for its 4 samples in the update: the same loss up to float rounding for about
+half the arithmetic, as the questions are 42 tokens and the answers 8 to 25; common/prompt_sharing.py). Each run is a fresh
 process, one after the other, so that none competes with another for the cores. The table gives each run's
 wall-clock time, the machine's mean load average while it ran (other work on the machine slows a run, and the runs
 may not have met the same), the share of sampled answers right at step 1 and over the last 6 steps, and the greedy
@@ -90,8 +90,8 @@ def trl_run(model_dir: str, prompts_file: str, steps: int, seed: int, out: str) 
 
 
 def ppo_run(model_dir: str, prompts_file: str, steps: int, seed: int, out: str, *extra: str) -> dict:
-    """ppo_ray.py with the demo's flags (and `extra`); the seconds since the start (process start included) and the
-    share right."""
+    """ppo_ray.py with the demo's GRPO flags (and `extra`: the demo adds --share_prompts); the seconds since the start
+    (process start included) and the share right."""
     start = time.perf_counter()
     cmd = [sys.executable, os.path.join(ROOT, "ppo_ray.py"), "--pretrain", model_dir, "--prompt_data", prompts_file,
            *GRPO_FLAGS, *extra, "--max_steps", str(steps), "--seed", str(seed), "--output_dir", out]

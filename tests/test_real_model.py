@@ -5,7 +5,7 @@ template that adds a default system prompt. Left out of `make test` (pytest.ini 
 hour on 2 quiet cores (several times that when other runs share the cores), and a first run builds the model (~30 s).
 
 Most tests check that the code holds on a real model: a few steps on tiny data. The last ones are the sanity runs: a
-method of each family (the demo's GRPO, 5 minutes on 2 quiet cores; RLOO; iterative DPO) must raise the share of
+method of each family (the demo's GRPO, 3 minutes on 2 quiet cores; RLOO; iterative DPO) must raise the share of
 right answers far above the base model's, with thresholds far under what one or two seeds reached
 (docs/real_model.md).
 """
