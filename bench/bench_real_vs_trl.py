@@ -8,11 +8,11 @@ float32, no gradient checkpointing (TRL's GRPOConfig turns it on by default; ppo
 generates with the model's own `generate` in its process; ppo_ray.py with a vLLM engine beside one DeepSpeed rank
 (ZeRO-0), syncing weights after each step, once padded and once with --share_prompts as make demo-real runs it
 (each question's tokens computed once for its 4 samples in the update: the same loss up to float rounding for
-about half the arithmetic, as the questions are 42 tokens and the answers 8 to 25; common/prompt_sharing.py). Each run is a fresh
-process, one after the other, so that none competes with another for the cores. The table gives each run's
-wall-clock time, the machine's mean load average while it ran (other work on the machine slows a run, and the runs
-may not have met the same), the share of sampled answers right at step 1 and over the last 6 steps, and the greedy
-answers to the demo's held-out questions after; the figure, the share right against seconds.
+about half the arithmetic, as the questions are 42 tokens and the answers 8 to 25; common/prompt_sharing.py). Each
+run is a fresh process, one after the other, so that none competes with another for the cores. The table gives each
+run's wall-clock time, the machine's mean load average while it ran (other work on the machine slows a run, and the
+runs may not have met the same), the share of sampled answers right at step 1 and over the last 6 steps, and the
+greedy answers to the demo's held-out questions after; the figure, the share right against seconds.
 
     .venv/bin/python -m pip install -r requirements-dev.txt -c constraints.txt   # TRL is a dev requirement
     .venv/bin/python bench/bench_real_vs_trl.py            # about 15 minutes on 2 quiet CPU cores
