@@ -16,6 +16,8 @@ mask: rows longer than the window would attend beyond it. A mixture of experts' 
 prompt's tokens once.
 """
 
+import random
+
 import torch
 
 from common.args import UserError
@@ -41,8 +43,6 @@ def groups(batch: dict) -> list[list[int]]:
 def group_order(batch: dict, shuffle_seed: int | None = None) -> list[int]:
     """The rows group after group (the groups shuffled by shuffle_seed), so that micro-batches cut from this order
     hold whole groups and share their prompts."""
-    import random
-
     found = groups(batch)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(found)
@@ -51,9 +51,13 @@ def group_order(batch: dict, shuffle_seed: int | None = None) -> list[int]:
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor, start: int,
          dtype: torch.dtype):
-    """A right-padded micro-batch as one row with each prompt once: (ids (1, T), position_ids (1, T), mask
-    (1, 1, T, T) additive in `dtype`, keep (K,) the packed positions whose logits are needed, where (rows, seq - 1 -
-    start) indexing `keep` for each row's next-token entries start .. seq - 2)."""
+    """A right-padded micro-batch as one row holding each prompt once, then each row's response. Returns
+    - ids and position_ids (1, T): a response's positions go on from its prompt's, as in its own row;
+    - mask (1, 1, T, T), additive in `dtype`: a prompt token sees its prompt before it, a response token its prompt
+      and its own response before it;
+    - keep (K,): the packed positions whose logits some row needs (the LM head runs there only);
+    - where (rows, seq - 1 - start): for each row's next-token entries start .. seq - 2, the index into `keep` of the
+      packed position they are computed at (0 at the row's padding, which the action mask leaves out)."""
     rows, seq = input_ids.shape
     lengths = attention_mask.sum(1).tolist()
     prompts = prompt_lengths(action_mask, attention_mask)
