@@ -627,7 +627,9 @@ def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_v
 # losses agreed to 2.3e-6, rm.py's to 2.1e-5 and its mean rewards to 4.2e-5; the saved weights to 5.1e-5 and the
 # reward models' held-out scores to 6.4e-4 (their spread, std 0.033 and 1.06). The tolerances are about 5x those.
 # One rank reading its images mirrored moved the first step's sft.py loss by 3.1e-4 and rm.py's mean chosen reward by
-# 1.3e-2 (relative; docs/vlm.md).
+# 1.3e-2 (relative; docs/vlm.md). dpo.py's and kto.py's losses and rewards (kto.py's up to step 2, below) agreed to
+# 3.1e-7 and 1.4e-6 absolute, 9.6e-5 and 1.2e-4 relative on values near 0.003 to 0.008 (seeds 0 and 1), dpo.py's saved
+# weights to 1.5e-4; one rank reading its images mirrored moved their step-2 losses by 2.0e-3 and 2.2e-3 (relative).
 FIRST_STEP_RTOL, LATER_STEPS_RTOL, WEIGHT_ATOL, SCORE_ATOL = 1e-6, 2e-4, 3e-4, 3e-3
 
 
@@ -752,6 +754,75 @@ def test_rm_trains_a_vlm_reward_model_under_zero3_on_two_ranks_as_on_one(tiny_vl
     assert abs(scores["two"].mean().item() - run_mean) < 1e-5
     assert scores["one"].std() > 3 * SCORE_ATOL  # pairs score apart (std 0.033 and 1.06 seen), beyond the tolerance
     torch.testing.assert_close(scores["two"], scores["one"], rtol=0, atol=SCORE_ATOL)
+
+
+
+def kto_rows(preference_file: str) -> str:
+    """The image task's KTO rows from its preference pairs: each prompt's count desirable (once), each wrong count
+    undesirable."""
+    rows, seen = [], set()
+    for pair in data.load_records(preference_file):
+        key = json.dumps(pair["prompt"])
+        if key not in seen:
+            seen.add(key)
+            rows.append({"prompt": pair["prompt"], "response": pair["chosen"], "label": True})
+        rows.append({"prompt": pair["prompt"], "response": pair["rejected"], "label": False})
+    return write_jsonl(preference_file.replace(".jsonl", "_kto.jsonl"), rows)
+
+
+def assert_policy_trains_under_zero3_as_on_one_rank(script: str, tiny_vlm: str, dataset: str, eval_dataset: str,
+                                                    tmp_path) -> None:
+    """dpo.py or kto.py on image rows, 2 ranks under ZeRO-3 against 1 rank: the same loss and implicit rewards step by
+    step, and a 2-rank folder that plain transformers loads with its processor, its frozen vision tower as it was, its
+    connector and language model trained, and (dpo.py) whose weights are the 1-rank run's."""
+    outs = one_and_two_rank_runs(script, tiny_vlm, dataset, eval_dataset, tmp_path)
+    logged = {name: [m for m in metrics(out) if "train/lr" in m] for name, out in outs.items()}  # the steps' rows
+    steps = {key: [[m[key] for m in logged[name]] for name in ("one", "two")]
+             for key in ("train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "objective/kl")
+             if key in logged["one"][0]}
+    print(f"{script}, one rank then two: {steps}")
+    weight_atol = WEIGHT_ATOL
+    if "objective/kl" in steps:
+        # KTO's reference point z0 is a mean over the ranks' micro-batches taken together, clamped at 0: 1 rank's z0
+        # is each micro-batch's own, 2 ranks' the mean of two, so once the policy leaves the reference the two runs
+        # weigh their losses against different z0 by design (seed 1, step 2: objective/kl 0.923 on 1 rank, 0.836 on
+        # 2, the micro-batches clamped apart; seed 0, step 3: losses 1.6% apart). Step 1 (z0 = 0 on both) is
+        # compared whole; step 2's rewards, which follow step 1's update alone, within the drift; the loss wherever
+        # z0 was 0 on both. The saved weights are not compared: after steps 2-3 under other z0 they were 1.1e-4 (seed 0)
+        # and 8.6e-3 (seed 1) apart, the size of one Adam step at 1e-2.
+        kept = [i for i, kls in enumerate(zip(*steps.pop("objective/kl"))) if kls == (0, 0)]
+        steps = {key: [[values[i] for i in (kept if key == "train/loss" else (0, 1))] for values in runs]
+                 for key, runs in steps.items()}
+        weight_atol = None
+    for key, (one, two) in steps.items():
+        assert key == "train/loss" or len(set(one)) == len(one) >= 2, (key, one)  # the steps moved it
+        assert_steps_agree(one, two)
+
+    model = AutoModelForImageTextToText.from_pretrained(outs["two"])
+    assert AutoProcessor.from_pretrained(outs["two"]).image_token == "<image>"
+    assert changed_parts(tiny_vlm, outs["two"]) == {"model.connector", "model.text_model", "lm_head.weight"}
+    one = AutoModelForImageTextToText.from_pretrained(outs["one"])
+    diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), one.state_dict().values()))
+    print(f"{script}: the two saved models' weights differ by {diff:.2e} at most")
+    assert weight_atol is None or diff < weight_atol
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_dpo_trains_a_vlm_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path):
+    """dpo.py on the image task's preference pairs (its reference partitioned as the policy is), 2 ranks under
+    ZeRO-3 against 1 rank."""
+    dataset, eval_dataset = image_task_one_or_two_scenes(tmp_path, "preference")
+    assert_policy_trains_under_zero3_as_on_one_rank("dpo.py", tiny_vlm, dataset, eval_dataset, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_kto_trains_a_vlm_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path):
+    """kto.py on the image task's KTO rows (each scene's count desirable, the wrong counts undesirable; the mismatched
+    pairs each prompt with its own images and another row's response), 2 ranks under ZeRO-3 against 1 rank."""
+    dataset, eval_dataset = (kto_rows(f) for f in image_task_one_or_two_scenes(tmp_path, "preference"))
+    assert_policy_trains_under_zero3_as_on_one_rank("kto.py", tiny_vlm, dataset, eval_dataset, tmp_path)
 
 
 # rm.py's ranking of the image task's held-out counts (docs/vlm.md), from an SFT that taught the tiny VLM the task
