@@ -623,10 +623,11 @@ def test_sft_and_dpo_train_lora_on_a_vlms_language_model_into_a_plain_vlm(tiny_v
 # rm.py's ranking of the image task's held-out counts (docs/vlm.md), from an SFT that taught the tiny VLM the task
 # partly: pair accuracy above the best a scorer blind to the image can reach on the same pairs. The reward model trains
 # one pass over 8192 distinct scenes (128 steps of 64 pairs at 2e-4), the SFT on the first 512 of them. Measured under
-# seeds 0-3 (one thread): +28.5 / +29.2 / +23.6 / +38.9 points. The former recipe (64 steps of 16 pairs at 3e-4, two
-# epochs over the 512 SFT scenes) gave +33.0 / +19.4 / +28.8 / -0.3: whether a run left the loss plateau at log 2 was
-# decided by the reward model's own seed (head and data order: the seed-3 SFT model gave -0.3 to +31.6 over six rm.py
-# seeds), and a run could also stop half-way, ranking only counts above the scene's below it. The threshold is kept.
+# seeds 0-3 (one thread, 47-69 s): +28.5 / +29.2 / +23.6 / +38.9 points (seed 3 at two threads the same). The former
+# recipe (64 steps of 16 pairs at 3e-4, two epochs over the 512 SFT scenes) gave +33.0 / +19.4 / +28.8 / -0.3: whether
+# a run left the loss plateau at log 2 was decided by the reward model's own seed (head and data order: the seed-3 SFT
+# model gave -0.3 to +31.6 over six rm.py seeds), and a run could also stop half-way, ranking only counts above the
+# scene's below it. The threshold is kept.
 RM_ABOVE_BLIND = 0.10
 
 
