@@ -147,7 +147,8 @@ def check_args(args) -> None:
             check_lengths(path, *sequence, flag)
     if args.teacher_pretrain:
         check_model_path(args.teacher_pretrain, "--teacher_pretrain")
-        check_causal_lm(args.teacher_pretrain, "--teacher_pretrain")
+        if not is_vision_language(args.teacher_pretrain):  # check_ppo_args took a vision-language one
+            check_causal_lm(args.teacher_pretrain, "--teacher_pretrain")
         check_lengths(args.teacher_pretrain, *sequence, "--teacher_pretrain")
 
 

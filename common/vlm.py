@@ -557,6 +557,25 @@ def packed_image_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {key: value[real][None] for key, value in inputs.items()}
 
 
+def reads_images_alike(policy: str, other: str) -> bool:
+    """Whether `other` is a vision-language model whose processor turns an image prompt into the same token ids and
+    image tensors as the policy's: ppo_ray.py's teacher then reads the experience's pixel values, which the policy's
+    processor made, as it would its own (an image size, a tiling or an image token of its own would not)."""
+    from PIL import Image
+
+    if not is_vision_language(other):
+        return False
+    mine, theirs = cached_processor(policy), cached_processor(other)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}]
+    text = mine.apply_chat_template(messages, add_generation_prompt=True)
+    image = [[Image.new("RGB", (40, 24), "red")]]  # not square, so that a resize or a tiling shows
+    try:
+        a, b = (processor(text=[text], images=image, return_tensors="pt") for processor in (mine, theirs))
+    except (ValueError, TypeError):  # a processor that cannot take the other's image layout
+        return False
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
 def packs_images_by_row(processor) -> bool:
     """Whether the processor lays out a packed row's images as packed_image_inputs turns its padded rows into one, so
     that ppo_ray.py can pack the experience's per-row images on its workers (--packing_samples). Idefics3's and
@@ -597,7 +616,11 @@ def check_ppo_args(args) -> bool:
                 f"trains with a critic that reads its prompts' images, and {critic} (where the critic starts) is a "
                 f"text model: give --critic_pretrain a vision-language model (the policy, or a reward model rm.py "
                 f"trained from one), or a critic-free --advantage_estimator such as grpo"),
-               (args.teacher_pretrain, "takes no --teacher_pretrain here (a teacher would read the text alone)"),
+               (args.teacher_pretrain and not reads_images_alike(args.pretrain, args.teacher_pretrain),
+                f"takes a --teacher_pretrain that is a vision-language model whose processor renders an image prompt "
+                f"into the very tokens and pixel values its own does (the teacher reads the experience's images as "
+                f"the policy's processor made them), and {args.teacher_pretrain} is not one: give such a teacher, "
+                f"or leave out --teacher_pretrain"),
                (args.env_fn or args.agent_fn, "takes single-turn prompts here: leave out --env_fn and --agent_fn"),
                (args.partial_rollouts, "samples each prompt whole, with its images, here: leave out "
                                        "--partial_rollouts"),
