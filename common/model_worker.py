@@ -190,6 +190,8 @@ class ModelWorker(RayWorker):
         """_logprobs with each prompt computed once for the micro-batch's samples of it (common/prompt_sharing.py);
         the first call also runs the padded forward and stops the run if the two differ beyond rounding."""
         start = response_start(batch["action_mask"])
+        if self.replay:  # the routes vLLM recorded are per row, not for the shared row: the routers route alone
+            self.replay.set(None, False)
         logits = prompt_sharing.next_token_logits(self.engine, batch, start).float() / self.args.temperature
         if self.args.keep_sampling_mask:
             logits = within_sampling_support(logits, batch["input_ids"][:, start + 1:], self.args.top_p)

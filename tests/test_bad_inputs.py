@@ -757,14 +757,17 @@ def test_ppo_ray_stopped_by_a_dead_worker_engine_or_sigterm_says_what_survives_a
         errors = [line for line in output.splitlines() if line.startswith("error: ")]
         assert exit_code == code and len(errors) == 1 and "Traceback" not in output, output[-3000:]
         saved = json.load(open(state))["step"]
-        assert words in errors[0] and f"checkpoint of step {saved} in {checkpoints} is intact" in errors[0], errors[0]
+        assert re.search(words, errors[0]) and f"checkpoint of step {saved} in {checkpoints} is intact" in errors[0], \
+            errors[0]
         assert errors[0].endswith("Rerun the same command to resume."), errors[0]
         assert took < 120, f"the run took {took:.0f} s to stop"
         return saved
 
     # this run's processes, and no other on the machine
+    # The kill lands a moment after the checkpoint is committed: on a quiet machine the next step's update may be
+    # over by then, and the death is met in the weight sync that follows it.
     first = stopped_with(lambda pid, placed: os.kill(placed["pids"]["actor"][1], signal.SIGKILL), 2,
-                         "a worker of the actor died")
+                         "a worker of the actor died|a worker taking part in the weight sync died")
     second = stopped_with(lambda pid, placed: os.kill(placed["vllm_pids"][0], signal.SIGKILL), 2,
                           "vLLM engine died")
     saved = stopped_with(lambda pid, placed: os.kill(pid, signal.SIGTERM), 130, "interrupted at step ")
