@@ -237,7 +237,7 @@ class Args:
     packing_samples: bool = False
     """run the actor's, reference's and critic's micro-batches as one row without padding"""
     share_prompts: bool = False
-    """compute each prompt once for all its samples in the actor's update (common/prompt_sharing.py)"""
+    """compute each prompt once for all its samples in the update and the policy's and reference's log-probs"""
     # --- LoRA (peft)
     lora_rank: int = 0
     """train LoRA adapters of this rank on the frozen actor and critic instead of every weight (0: every weight)"""
