@@ -23,7 +23,8 @@ from common.cpu_memory import keep_freed_memory
 from common.lora import dequantized
 from common.modeling import keep_router_loss
 from common.net import free_port, release_port
-from common.vlm import is_vision_language, sequence_classification_class
+from common.vlm import (complete_forward_inputs, is_vision_language, load_processor, modality_token_ids,
+                        sequence_classification_class)
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
 # cost more than it saves. Kept low so that even the tiny test model is really partitioned.
@@ -234,7 +235,8 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
     transformers partitions at load while a HfDeepSpeedConfig object is alive, so it is kept on the model. Dropout is
     off (disable_dropout) unless `dropout`: only SFT trains with the dropout a model's config asks for. A
     vision-language model asked for as a causal LM loads whole, vision tower included, and asked for as a sequence
-    classifier with the scalar head of common/vlm.py (transformers has none for it).
+    classifier with the scalar head of common/vlm.py (transformers has none for it); its backbone completes the
+    inputs that its processor makes from the token ids (common/vlm.py complete_forward_inputs).
     """
     check_model_path(path, flag)
     if model_class is AutoModelForCausalLM and is_vision_language(path):
@@ -255,6 +257,8 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
             if "attention implementation" not in str(e) or attn == "eager":
                 raise
     model._hf_ds_config = hf_ds_config
+    if is_vision_language(path):
+        complete_forward_inputs(model, modality_token_ids(load_processor(path, flag)))
     if hf_ds_config is not None:
         gather_expert_blocks_whole(model)
     model.config.use_cache = False

@@ -17,6 +17,7 @@ import base64
 import binascii
 import functools
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -57,6 +58,7 @@ def load_processor(path: str, flag: str = "--pretrain"):
     if getattr(processor, "image_processor", None) is None or not getattr(processor, "image_token", None):
         raise UserError(f"{flag} {path}: its processor has no image processor or image token, so it cannot read "
                         f"images; give a vision-language model's folder with its processor saved.")
+    check_builds_forward_inputs(path, flag)
     tokenizer = processor.tokenizer
     if tokenizer.eos_token is None:
         raise UserError(f"{flag} {path}: its tokenizer has no end-of-sequence token, which ends every response these "
@@ -64,6 +66,41 @@ def load_processor(path: str, flag: str = "--pretrain"):
     if tokenizer.pad_token is None:  # padding is always masked out
         tokenizer.pad_token = tokenizer.eos_token
     return processor
+
+
+def check_builds_forward_inputs(path: str, flag: str = "--pretrain") -> None:
+    """Refuse a family whose forward needs an input that this library does not build (forward_inputs_not_built),
+    before anything loads."""
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, AutoConfig
+
+    if config_file(path) is None:  # a processor's folder alone
+        return
+    config = AutoConfig.from_pretrained(path)
+    model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+    reason = model_class and forward_inputs_not_built(model_class)
+    if reason:
+        raise UserError(f"{flag} {path}: a {config.model_type} model {reason}; give a vision-language model of another "
+                        f"family (Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ...).")
+
+
+def forward_inputs_not_built(model_class: type) -> str | None:
+    """What a vision-language family's forward reads that neither the image processor nor complete_forward_inputs
+    gives it, in words, or None. Without such an input the model trains and is scored on other attention or
+    positions than it was made for, silently.
+    - `token_type_ids`: PaliGemma's processor marks the image and the prompt, which attend both ways.
+    - rotary positions computed from image inputs other than `image_grid_thw` (MiniCPM-V 4.7's target sizes), which
+      complete_forward_inputs does not hand to the family's get_rope_index."""
+    from transformers import MODEL_MAPPING
+
+    if "token_type_ids" in inspect.signature(model_class.forward).parameters:
+        return ("lets the tokens its processor marks in token_type_ids (the image and the prompt) attend both ways, "
+                "and these scripts compute every token causally")
+    rope = getattr(MODEL_MAPPING.get(model_class.config_class, None), "get_rope_index", None)
+    takes = {"mm_token_type_ids", "image_grid_thw", "attention_mask"}
+    if rope and not takes <= set(inspect.signature(rope).parameters):
+        return ("places image tokens at rotary positions computed from inputs other than image_grid_thw, which these "
+                "scripts do not hand it")
+    return None
 
 
 def sequence_classification_class(config) -> type:
@@ -128,6 +165,68 @@ def outside_language_model(model) -> list[str]:
     head = model.get_output_embeddings()
     return [name for name, module in model.named_modules() if name and module is not head
             and name != language and not name.startswith(language + ".")]
+
+
+# ------------------------------------------------------------------------------- inputs the tokens decide
+def modality_token_ids(processor) -> dict[int, list[int]]:
+    """The tokens of each modality as the processor types them in `mm_token_type_ids` (1 image, 2 video, 3 audio):
+    its placeholder tokens, and for some families their begin and end markers too."""
+    kinds = {1: processor.image_token_ids, 2: processor.video_token_ids, 3: processor.audio_token_ids}
+    return {kind: [i for i in ids if i is not None] for kind, ids in kinds.items() if any(i is not None for i in ids)}
+
+
+def complete_forward_inputs(model, modality_ids: dict[int, list[int]]) -> None:
+    """Make the backbone of a vision-language model (its AutoModel class, e.g. Qwen2_5_VLModel, inside the
+    generation or scalar-head model) complete what its processor would have given it from the tokens, whichever of
+    this library's forwards calls it: the padded and packed batches of every trainer, the reward models, the critic.
+
+    - `mm_token_type_ids` (Qwen-VL, GLM-4V, ...): each token's modality, a function of its id alone
+      (modality_token_ids); without it the forward refuses images.
+    - The position ids of a family whose rotary positions depend on its images (a `get_rope_index`: Qwen-VL's and
+      GLM-4V's 3D rope, where an image's tokens take its grid's rows and columns). The 1D positions this library
+      passes would be taken as every token's, silently, so a padded batch's are dropped and the model computes its
+      own from the attention mask; a packed row (no mask, positions restarting at each sample) gets each sample's 3D
+      positions as its own row would, after the 1D ones, where the model reads the sample boundaries."""
+    from transformers import MODEL_MAPPING
+
+    backbone_class = MODEL_MAPPING[type(model.config)]
+    backbone = next(m for m in model.modules() if isinstance(m, backbone_class))
+    typed = "mm_token_type_ids" in inspect.signature(backbone_class.forward).parameters
+    hook = functools.partial(_complete_inputs, modality_ids=modality_ids if typed else None,
+                             rope_from_images=hasattr(backbone_class, "get_rope_index"))
+    backbone.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _complete_inputs(backbone, args: tuple, kwargs: dict, modality_ids, rope_from_images: bool):
+    if args:  # GenericForSequenceClassification hands input_ids on positionally
+        kwargs, args = dict(kwargs, input_ids=args[0]), args[1:]
+    ids = kwargs.get("input_ids")  # (rows, seq)
+    if ids is None:
+        return None
+    if modality_ids and kwargs.get("mm_token_type_ids") is None:
+        types = torch.zeros_like(ids, dtype=torch.int32)  # (rows, seq)
+        for kind, token_ids in modality_ids.items():
+            types[torch.isin(ids, torch.tensor(token_ids, device=ids.device))] = kind
+        kwargs["mm_token_type_ids"] = types
+    positions, images = kwargs.get("position_ids"), kwargs.get("image_grid_thw")
+    if rope_from_images and images is not None and positions is not None and positions.dim() == 2:
+        packed = kwargs.get("attention_mask") is None
+        kwargs["position_ids"] = packed_rope_positions(backbone, ids, positions, kwargs) if packed else None
+    return args, kwargs
+
+
+def packed_rope_positions(backbone, ids: torch.Tensor, positions: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """The (4, 1, total) position ids of a packed (1, total) row for a model whose rotary positions depend on its
+    images: the row's 1D positions, restarting at each sample, then each sample's 3D positions (temporal, height,
+    width) as get_rope_index gives them to the sample alone, its images being the next ones in the row's order."""
+    starts = (positions[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+    lengths = [end - start for start, end in zip(starts, starts[1:])]
+    rows = torch.nn.utils.rnn.pad_sequence(ids[0].split(lengths), batch_first=True)  # (samples, longest)
+    types = torch.nn.utils.rnn.pad_sequence(inputs["mm_token_type_ids"][0].split(lengths), batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(ids[0, :n]) for n in lengths], batch_first=True)
+    rope, _ = backbone.get_rope_index(rows, mm_token_type_ids=types, image_grid_thw=inputs["image_grid_thw"],
+                                      video_grid_thw=inputs.get("video_grid_thw"), attention_mask=mask)
+    return torch.cat([positions[None], rope[:, mask.bool()][:, None]])  # (1 + 3, 1, total)
 
 
 # ------------------------------------------------------------------------------------------------ reading images
@@ -432,6 +531,7 @@ def check_sampler_args(args) -> bool:
         return False
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
                text_reward_models(args.reward_pretrain),
+               not_by_row(args.reward_pretrain or []),
                (args.mode == "csft", "takes --mode best_of_n or dpo_pairs (csft writes rewards into text prompts)")]
     for wrong, what in refused:
         if wrong:
@@ -592,6 +692,28 @@ def packs_images_by_row(processor) -> bool:
         packed[key].shape == from_rows[key].shape and torch.equal(packed[key], from_rows[key]) for key in packed)
 
 
+def gives_images_by_row(path: str) -> bool:
+    """Whether the model's processor gives every image tensor one entry per row, for rows holding different numbers
+    of images (Idefics3's pixel_values (rows, images, 3, H, W)): ppo_ray.py's workers and the reward models cut
+    batches into micro-batches by rows. Qwen-VL's processor puts the patches of all the batch's images along one
+    axis, PaliGemma's and LLaVA's the images."""
+    from PIL import Image
+
+    rows = [{"images": [Image.new("RGB", (28, 28), colour) for colour in colours]} for colours in (["red"],
+                                                                                                ["red", "blue"])]
+    return all(value.shape[0] == len(rows) for value in image_inputs(cached_processor(path), rows, False).values())
+
+
+def not_by_row(paths: list[str]) -> tuple[list[str], str]:
+    """The vision-language models among `paths` whose processor does not give images by row (gives_images_by_row),
+    and what a refusal (check_sampler_args, check_ppo_args) says of the first."""
+    wrong = [path for path in dict.fromkeys(paths) if is_vision_language(path) and not gives_images_by_row(path)]
+    return wrong, (f"is trained and scored here in batches cut by rows, and the processor of {wrong[0]} lays every "
+                   f"image of a batch along one axis (as Qwen-VL's and LLaVA's do) instead of giving each row's "
+                   f"apart: give a model whose processor gives them by row (Idefics3, SmolVLM); the others train "
+                   f"with sft.py, rm.py, dpo.py and kto.py" if wrong else "")
+
+
 def frozen_tower_names(model) -> set[str]:
     """The in-memory names of a vision tower's parameters that do not train (--freeze_vision_tower): the weight sync
     leaves them out, since the engines hold them as loaded. Empty for a text model or a trained tower."""
@@ -612,6 +734,7 @@ def check_ppo_args(args) -> bool:
     critic = args.critic_pretrain or (args.reward_pretrain or [args.pretrain])[0]  # common/placement.py critic_path
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
                text_reward_models(args.reward_pretrain),
+               not_by_row([args.pretrain, *(args.reward_pretrain or []), critic]),
                (args.advantage_estimator == "gae" and not is_vision_language(critic),
                 f"trains with a critic that reads its prompts' images, and {critic} (where the critic starts) is a "
                 f"text model: give --critic_pretrain a vision-language model (the policy, or a reward model rm.py "

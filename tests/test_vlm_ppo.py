@@ -201,20 +201,27 @@ def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))  # Idefics3's images are per row
 
 
-def test_packing_is_refused_for_a_processor_whose_images_are_not_per_row(tiny_vlm, monkeypatch):
-    """A processor that stacks every image of a batch along its first axis (PaliGemma's SigLIP image processor:
-    (images, 3, H, W)) gives no row's images apart, so the experience's images cannot be packed row by row: refused
-    in one sentence."""
+def test_a_processor_that_lays_a_batchs_images_along_one_axis_is_refused_before_anything_starts(tiny_vlm, tmp_path,
+                                                                                                 monkeypatch):
+    """ppo_ray.py cuts the experience, the reward models' batches and the critic's into micro-batches by rows, so a
+    model whose processor stacks every image of a batch along one axis (PaliGemma's SigLIP image processor: (images,
+    3, H, W); Qwen-VL's patches) is refused at start, for the policy and for a reward model, where before it was met
+    at the first experience; nor can its rows be packed."""
     from transformers import SiglipImageProcessorPil
 
-    processor = SimpleNamespace(image_processor=SiglipImageProcessorPil(size={"height": 16, "width": 16}))
-    assert not vlm.packs_images_by_row(processor)
-    monkeypatch.setattr(vlm, "cached_processor", lambda path: processor)
-    with pytest.raises(UserError, match=r"^--pretrain .* is a vision-language model, which is packed here only when "
-                                        r"its processor gives each row's images along a second axis .* leave out "
-                                        r"--packing_samples\.$"):
-        vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))
-    assert vlm.check_ppo_args(ppo_args(tiny_vlm))
+    stacked = SimpleNamespace(image_processor=SiglipImageProcessorPil(size={"height": 16, "width": 16}))
+    assert not vlm.packs_images_by_row(stacked)
+    reward_model = write_tiny_vlm(str(tmp_path / "rm"))
+    real = vlm.cached_processor
+    monkeypatch.setattr(vlm, "cached_processor", lambda path: stacked if path == reward_model else real(path))
+    assert vlm.gives_images_by_row(tiny_vlm) and not vlm.gives_images_by_row(reward_model)
+    with pytest.raises(UserError, match=rf"^--pretrain {tiny_vlm} is a vision-language model, which is trained and "
+                                        rf"scored here in batches cut by rows, and the processor of {reward_model} "
+                                        rf"lays every image of a batch along one axis .* \(Idefics3, SmolVLM\); .*\.$"):
+        vlm.check_ppo_args(ppo_args(tiny_vlm, reward_fn=None, reward_pretrain=[reward_model]))
+    with pytest.raises(UserError, match=rf"the processor of {reward_model} lays"):  # as the policy
+        vlm.check_ppo_args(ppo_args(reward_model))
+    assert vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))
 
 
 LENGTH_REWARD = """
