@@ -49,14 +49,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_processor() -> Idefics3Processor:
-    """The tiny text model's tokenizer with the image tokens, and an image processor that keeps each image whole (no
-    tiles) at IMAGE_SIZE."""
+def build_processor(tiles: bool = False) -> Idefics3Processor:
+    """The tiny text model's tokenizer with the image tokens, and an image processor that keeps each image whole at
+    IMAGE_SIZE or, with `tiles` (the real Idefics3 and SmolVLM checkpoints' default), resizes it to twice that on its
+    longer side and cuts it into IMAGE_SIZE tiles, each written between row and column markers, plus the whole image
+    at IMAGE_SIZE: a square image is 5 images to the vision tower, a 2:1 one 3."""
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:] + IMAGE_SPECIAL_TOKENS})
     tokenizer.chat_template = CHAT_TEMPLATE
-    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": IMAGE_SIZE},
-                                                max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=False)
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": IMAGE_SIZE * (1 + tiles)},
+                                                max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=tiles)
     return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=IMAGE_TOKENS,
                              chat_template=CHAT_TEMPLATE)
 
@@ -80,9 +82,9 @@ def build_model(processor, hidden_size=128, num_layers=2, num_heads=2, vision_hi
     return Idefics3ForConditionalGeneration(config).float()
 
 
-def write_tiny_vlm(out: str, seed: int = 0, **model_kwargs) -> str:
+def write_tiny_vlm(out: str, seed: int = 0, tiles: bool = False, **model_kwargs) -> str:
     """Write model + processor (tokenizer, image processor, chat template) to `out` and return the path."""
-    processor = build_processor()
+    processor = build_processor(tiles)
     model = build_model(processor, seed=seed, **model_kwargs)
     os.makedirs(out, exist_ok=True)
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id

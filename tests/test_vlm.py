@@ -90,18 +90,22 @@ def test_image_rows_tokenize_as_the_processor_does_and_train_on_the_response_onl
     assert batch["pixel_values"][0, 1].abs().sum() == 0  # the first sample's second image is padding
 
 
-def test_a_packed_row_scores_each_sample_with_its_own_images_as_a_padded_batch_does(tiny_vlm, image_dataset):
+@pytest.mark.parametrize("tiles", [False, True], ids=["whole", "tiles"])
+def test_a_packed_row_scores_each_sample_with_its_own_images_as_a_padded_batch_does(tiny_vlm, image_dataset, tiles,
+                                                                                      tmp_path):
     """--packing_samples on a VLM: whole samples (their image tokens never cut) in one row, the row's images in
-    their samples' order; each sample's log-probs equal the padded batch's, which holds one sample a row."""
+    their samples' order; each sample's log-probs equal the padded batch's, which holds one sample a row. With the
+    images cut into tiles (the real Idefics3's and SmolVLM's default) each of the 4 is 2 x 2 tiles and the whole."""
     from common.modeling import next_token_logprobs
 
+    tiny_vlm = write_tiny_vlm(str(tmp_path / "tiled"), seed=SEED, tiles=True) if tiles else tiny_vlm
     processor = vlm.load_processor(tiny_vlm)
     samples = vlm.build_vlm_sft_samples(data.load_records(image_dataset), processor, image_dataset, "prompt",
-                                        "response", max_len=128)
+                                        "response", max_len=256)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
     padded = data.pad_collate(samples, processor.tokenizer.pad_token_id) | vlm.image_inputs(processor, samples, False)
     packed = data.pack_collate(samples) | vlm.image_inputs(processor, samples, packing=True)
-    assert packed["pixel_values"].shape[:2] == (1, 4)  # (one row, every sample's images)
+    assert packed["pixel_values"].shape[:2] == (1, 4 * (5 if tiles else 1))  # (one row, every image)
     with torch.no_grad():
         padded_logprobs = next_token_logprobs(model, padded["input_ids"], padded["attention_mask"], None,
                                               pixel_values=padded["pixel_values"],

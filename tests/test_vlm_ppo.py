@@ -42,6 +42,16 @@ def tiny_vlm(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiled_vlm(tmp_path_factory) -> str:
+    """The tiny VLM whose processor cuts each image into tiles plus the whole (common/tiny_vlm.py build_processor), as
+    the real Idefics3 and SmolVLM checkpoints do: a scene is 5 images to the tower, so rows hold 5 or 10."""
+    return write_tiny_vlm(str(tmp_path_factory.mktemp("tiled_vlm")), seed=SEED, tiles=True)
+
+
+TILES_PER_SCENE = {"tiny_vlm": 1, "tiled_vlm": 5}
+
+
+@pytest.fixture(scope="module")
 def image_task(tmp_path_factory) -> dict:
     return write_image_task(str(tmp_path_factory.mktemp("image_task")), seed=SEED, num_train=16, num_eval=4)
 
@@ -111,7 +121,7 @@ def experience_batch(tiny_vlm: str, image_task: dict, tmp_path) -> tuple[dict, l
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     processor = AutoProcessor.from_pretrained(tiny_vlm)
-    prompts = load_prompts(ppo_args(tiny_vlm), processor.tokenizer, str(source), "train")
+    prompts = load_prompts(ppo_args(tiny_vlm, prompt_max_len=256), processor.tokenizer, str(source), "train")
     assert [len(p["images"]) for p in prompts] == [1, 1, 2, 1, 1, 0]
     g = torch.Generator().manual_seed(SEED)
     eos = processor.tokenizer.eos_token_id
@@ -121,10 +131,12 @@ def experience_batch(tiny_vlm: str, image_task: dict, tmp_path) -> tuple[dict, l
     return {**batch, **vlm.experience_images(tiny_vlm, prompts, samples)}, prompts
 
 
-def test_packed_image_inputs_are_every_rows_images_in_row_order_as_the_processor_packs_them(tiny_vlm, image_task,
-                                                                                             tmp_path):
+@pytest.mark.parametrize("model", list(TILES_PER_SCENE))
+def test_packed_image_inputs_are_every_rows_images_in_row_order_as_the_processor_packs_them(model, image_task,
+                                                                                             tmp_path, request):
+    tiny_vlm = request.getfixturevalue(model)
     batch, prompts = experience_batch(tiny_vlm, image_task, tmp_path)
-    assert batch["pixel_values"].shape[:2] == (12, 2)  # (rows, the most images a row holds, ...)
+    assert batch["pixel_values"].shape[:2] == (12, 2 * TILES_PER_SCENE[model])  # (rows, the most images a row holds)
     processor = AutoProcessor.from_pretrained(tiny_vlm)
     for rows in ([0, 1, 2, 3], [4, 5, 10, 6, 11, 1], [7, 8, 9]):  # micro-batches in the order in_length_order takes
         packed = vlm.packed_image_inputs({key: batch[key][rows] for key in ("pixel_values", "pixel_attention_mask")})
@@ -135,15 +147,17 @@ def test_packed_image_inputs_are_every_rows_images_in_row_order_as_the_processor
     assert vlm.packs_images_by_row(processor)
 
 
+@pytest.mark.parametrize("model", list(TILES_PER_SCENE))
 def test_packed_logprobs_and_values_of_an_experience_with_images_equal_the_padded_ones_row_by_row(
-        tiny_vlm, image_task, tmp_path):
+        model, image_task, tmp_path, request):
     """--packing_samples on a VLM policy: the actor's (and reference's) log-probs and a VLM critic's values of the
-    experience, micro-batches packed, equal the padded ones row by row; with two rows' images swapped the packed
-    log-probs of those rows change, so each packed sample reads its own images."""
+    experience, micro-batches packed, equal the padded ones row by row, the images whole or in tiles; with two rows'
+    images swapped the packed log-probs of those rows change, so each packed sample reads its own images."""
     from test_ppo_packing import RecordingEngine, worker
 
     from common.model_worker import ModelWorker
 
+    tiny_vlm = request.getfixturevalue(model)
     batch, _ = experience_batch(tiny_vlm, image_task, tmp_path)
     policy = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32)
     padded, packed = (worker(ModelWorker, RecordingEngine(policy), packing_samples=packing,
@@ -338,11 +352,16 @@ def test_a_vlm_teacher_that_is_the_policy_reads_each_samples_images_and_gives_no
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_grpo_with_packed_samples_reads_each_ones_images_and_vllm_follows_the_trainer(tiny_vlm, image_task, tmp_path):
+@pytest.mark.parametrize("model", list(TILES_PER_SCENE))
+def test_grpo_with_packed_samples_reads_each_ones_images_and_vllm_follows_the_trainer(model, image_task, tmp_path,
+                                                                                     request):
     """--packing_samples on a VLM policy, its tower trained: the actor's packed forwards (experience and update) give
-    each sample its own images, so vLLM's log-probs of its samples equal the trainer's after every sync."""
+    each sample its own images, whole or in tiles, so vLLM's log-probs of its samples equal the trainer's after every
+    sync (vLLM cutting the tiles with the same processor)."""
+    tiny_vlm = request.getfixturevalue(model)
     out = str(tmp_path / "ppo")
-    rows = grpo(tiny_vlm, image_task, out, "--packing_samples", "--freeze_vision_tower", "false")
+    rows = grpo(tiny_vlm, image_task, out, "--packing_samples", "--freeze_vision_tower", "false",
+                "--prompt_max_len", "256")  # a scene in tiles is 5 images: 38 tokens
     diffs = [row["vllm/logprob_diff"] for row in rows]
     print(f"vllm/logprob_diff {diffs}")
     assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer after a sync: {diffs}"
