@@ -11,7 +11,8 @@ ZeRO-2 one in stage_1_and_2.py), and below that the optimizers DeepSpeed picks f
 which keep whole-model gradients on every GPU. Their activations come on top: the inputs of every layer of a
 micro-batch kept for backward (with --gradient_checkpointing, each layer's input and one layer's whole). A
 vision-language policy's vision tower is counted apart: frozen (--freeze_vision_tower), bf16 weights without
-gradients or Adam states; trained, with them and its layers' inputs over one image per row kept for backward. Frozen
+gradients or Adam states; trained, with them and its layers' inputs over one image per row kept for backward,
+the image as its processor cuts it (Idefics3's tiles, Qwen-VL's patches up to max_pixels). Frozen
 roles (reference, reward models) hold bf16 weights partitioned over their ranks (in CPU memory with --ref_offload)
 plus the gathered largest layer. A forward over the vocabulary adds its logits: bf16, their fp32 copy and the fp32
 logsumexp work of one micro-batch; with --routing_replay the actor's micro-batch carries each token's experts too
@@ -116,7 +117,8 @@ def model_sizes(config, scalar_head: bool = False) -> dict:
     # --routing_replay's experts of a token: an int16 per MoE layer and expert it goes to
     routes_per_token = 2 * sum(router.top_k for router in routing_replay.trainer_routers(model))
     return {"params": params, "largest_layer": max(blocks + own), "kv_per_token": 2 * layers * kv_heads * head_dim * 2,
-            **(vision_sizes(model) if vision_language else {"vision_params": 0, "activations_per_image": 0}),
+            **(vision_sizes(model) if vision_language else {"vision_params": 0, "activations_per_patch": 0,
+                                                             "activations_per_image": 0}),
             "routes_per_token": routes_per_token,
             "vocab": model.get_input_embeddings().weight.shape[0], "lora_per_rank": lora_per_rank,
             "quantized_4bit": quantized_4bit(model),
@@ -125,19 +127,39 @@ def model_sizes(config, scalar_head: bool = False) -> dict:
 
 
 def vision_sizes(model) -> dict:
-    """A vision-language model's vision tower: its parameters, and the bf16 bytes its layers keep for backward per
-    image when it trains (every layer's inputs over the image's patches, with the decoder layer's bytes per unit of
-    width; a tiled or dynamic-resolution image counts once per tile of vision_config's image_size). The image's
+    """A vision-language model's vision tower: its parameters, and the bf16 bytes its layers keep for backward when
+    it trains, per patch (every layer's inputs, with the decoder layer's bytes per unit of width) and per image of
+    vision_config's image_size (sizes_of counts an image as its processor cuts it: patches_per_image). The image's
     tokens in the language model are part of the sequence, counted with its activations."""
     from common.vlm import vision_tower
 
     vision = model.config.vision_config
     tower = vision_tower(model)
-    patches = (getattr(vision, "image_size", 0) // getattr(vision, "patch_size", 1)) ** 2
-    per_patch = (ACTIVATION_BYTES_PER_HIDDEN * vision.hidden_size
-                 + ACTIVATION_BYTES_PER_INTERMEDIATE * getattr(vision, "intermediate_size", 4 * vision.hidden_size))
-    return {"vision_params": sum(p.numel() for p in tower.parameters()),
-            "activations_per_image": vision.num_hidden_layers * patches * per_patch}
+    per_patch = vision.num_hidden_layers * (
+        ACTIVATION_BYTES_PER_HIDDEN * vision.hidden_size
+        + ACTIVATION_BYTES_PER_INTERMEDIATE * getattr(vision, "intermediate_size", 4 * vision.hidden_size))
+    return {"vision_params": sum(p.numel() for p in tower.parameters()), "activations_per_patch": per_patch,
+            "activations_per_image": per_patch * patches_per_image(None, vision)}
+
+
+def patches_per_image(folder: str | None, vision) -> int:
+    """The most patches the vision tower encodes for one image, from the processor settings saved beside the model
+    (`folder`'s preprocessor_config.json), as the processor cuts images: Qwen-VL's dynamic resolution, up to
+    max_pixels of patch_size x patch_size patches; Idefics3's and SmolVLM's tiles, up to ceil(size / max_image_size)
+    tiles a side of image_size each, plus the whole image; else one image of vision_config's image_size."""
+    per_tile = (getattr(vision, "image_size", 0) // getattr(vision, "patch_size", 1)) ** 2
+    file = folder and os.path.join(folder, "preprocessor_config.json")
+    if not file or not os.path.isfile(file):
+        return per_tile
+    with open(file) as f:
+        settings = json.load(f)
+    size = settings.get("size") or {}
+    if "max_pixels" in settings or "temporal_patch_size" in settings:  # Qwen-VL: any size up to max_pixels
+        return (settings.get("max_pixels") or size["longest_edge"]) // settings.get("patch_size", 14) ** 2
+    if settings.get("do_image_splitting"):
+        side = -(-size["longest_edge"] // settings["max_image_size"]["longest_edge"])
+        return (side ** 2 + 1) * per_tile
+    return per_tile
 
 
 def quantized_4bit(model) -> int:
@@ -245,9 +267,13 @@ def sizes_of(path: str, flag: str, scalar_head: bool = False) -> dict:
     """model_sizes of the model at `path`, a PlanSkipped naming it."""
     config = read_config(path, flag)
     try:
-        return model_sizes(config, scalar_head)
+        sizes = model_sizes(config, scalar_head)
     except PlanSkipped as e:
         raise PlanSkipped(f"{flag} {path}: {e}") from None
+    if sizes["vision_params"]:
+        patches = patches_per_image(os.path.dirname(config_file(path)), config.vision_config)
+        sizes["activations_per_image"] = sizes["activations_per_patch"] * patches
+    return sizes
 
 
 def plan(args) -> dict:

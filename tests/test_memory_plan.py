@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,13 +60,15 @@ def test_every_recipe_fits_its_gpus(name, nodes, flags):
 
 def test_a_vision_language_policy_plans_its_tower_frozen_or_trained():
     """The Idefics3 recipe: with the tower frozen (the default) the actor holds its bf16 shard and no gradients or Adam
-    states for it; trained, its states join the model's and its layers' inputs over one image a row the activations.
+    states for it; trained, its states join the model's and its layers' inputs over one image a row, in tiles, the
+    activations.
     The engines hold the whole model, tower included."""
     name, _, flags = next(r for r in RECIPES if "idefics3" in r[0])
-    sizes = memory_plan.model_sizes(memory_plan.read_config(IDEFICS3, "--pretrain"))
+    sizes = memory_plan.sizes_of(IDEFICS3, "--pretrain")
     assert sizes["params"] == 8_462_086_384 and sizes["vision_params"] == 412_926_192
-    # 27 layers x 26 x 26 patches x (18 x 1152 + 8 x 4304) bytes
-    assert sizes["activations_per_image"] == 27 * 676 * (18 * 1152 + 8 * 4304)
+    # 27 layers x 26 x 26 patches x (18 x 1152 + 8 x 4304) bytes a tile, and an image is cut (its processor's
+    # preprocessor_config.json: longest edge 1456, tiles of 364) into up to 4 x 4 tiles plus the whole: 17
+    assert sizes["activations_per_image"] == 17 * 27 * 676 * (18 * 1152 + 8 * 4304)
     frozen_args, trained_args = (recipe_args(name, flags, freeze_vision_tower=f) for f in (True, False))
     frozen, trained = (memory_plan.plan(a) for a in (frozen_args, trained_args))
     gpus, roles = frozen["actor"]
@@ -76,6 +79,23 @@ def test_a_vision_language_policy_plans_its_tower_frozen_or_trained():
         frozen_args.micro_train_batch_size * sizes["activations_per_image"]
     assert frozen["vLLM"][1]["vLLM"]["weights"] == 2 * sizes["params"]
     memory_plan.check(frozen_args, frozen)
+
+
+@pytest.mark.parametrize("settings, patches", [
+    ({}, 676),  # no tiles: one image_size image
+    ({"do_image_splitting": True, "size": {"longest_edge": 1820}, "max_image_size": {"longest_edge": 364}}, 26 * 676),
+    ({"do_image_splitting": False, "size": {"longest_edge": 364}, "max_image_size": {"longest_edge": 364}}, 676),
+    ({"max_pixels": 12845056, "min_pixels": 3136, "patch_size": 14, "temporal_patch_size": 2}, 65536),  # Qwen2-VL
+    ({"size": {"longest_edge": 1003520, "shortest_edge": 3136}, "patch_size": 14, "temporal_patch_size": 2}, 5120),
+], ids=["whole", "idefics3-5x5-tiles", "no-splitting", "qwen-max-pixels", "qwen-size"])
+def test_an_image_counts_as_many_patches_as_its_processor_cuts_it_into(tmp_path, settings, patches):
+    """A trained tower keeps its layers' inputs over every patch of an image as its processor cuts it: Idefics3's and
+    SmolVLM's tiles plus the whole image, Qwen-VL's dynamic resolution up to max_pixels (in transformers' older and
+    newer spellings); a 364-pixel image of 14-pixel patches is 26 x 26 = 676."""
+    if settings:
+        (tmp_path / "preprocessor_config.json").write_text(json.dumps(settings))
+    vision = SimpleNamespace(image_size=364, patch_size=14)
+    assert memory_plan.patches_per_image(str(tmp_path), vision) == patches
 
 
 def test_a_vision_language_reward_model_or_critic_is_the_vlm_with_a_scalar_head_for_its_lm_head():
