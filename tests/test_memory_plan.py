@@ -4,7 +4,8 @@ tests/llama3_8b and tests/llama3_70b hold the config.json of Meta's Llama-3-8B a
 weights): the plan is computed from them alone, so every recipe's layout is checked against 80 GiB GPUs here.
 tests/idefics3_8b holds an Idefics3 config built with transformers' Idefics3Config from Llama-3-8B's text config and
 SigLIP-so400m's vision sizes (hidden 1152, 27 layers, 364-pixel images in 14-pixel patches), the shapes of
-Idefics3-8B-Llama3: the vision-language recipe's stand-in.
+Idefics3-8B-Llama3, and the preprocessor_config.json of transformers' Idefics3 image processor defaults (images
+resized to a longest edge of 1456 pixels and cut into 364-pixel tiles): the vision-language recipe's stand-in.
 """
 
 import json
