@@ -1,8 +1,9 @@
 """Vision-language models: images in dataset rows, the model's processor, and the vision tower in training.
 
 A row's messages hold images as content parts, in the form processors take: {"type": "image", "image": ...} beside
-{"type": "text", "text": ...}. The image is a path relative to the dataset file's folder, an absolute path, or base64
-(a `data:image/...;base64,` URI or the bare base64 text). Each image is read and decoded while the data loads, so a
+{"type": "text", "text": ...} (transformers' "path", "url" and "base64" keys and OpenAI's "image_url" parts are read
+too). The image is a path relative to the dataset file's folder, an absolute path, or base64 (a
+`data:image/...;base64,` URI or the bare base64 text). Each image is read and decoded while the data loads, so a
 bad one stops the run before anything trains, with the file and sample named.
 
 The chat template writes one placeholder per image part (Idefics3's "<image>"); a sample's tokens are the rendered
@@ -240,6 +241,9 @@ def read_image(value, base_dir: str):
 
     if not isinstance(value, str) or not value:
         raise DataError(f"an image part's 'image' must be a path or base64 text, got {str(value)[:40]!r}.")
+    if re.match(r"https?://", value):
+        raise DataError(f"image {value[:60]!r} is a web address, which these scripts do not fetch (a run reads its "
+                        f"data from disk); download it and give its path.")
     path = os.path.join(base_dir, os.path.expanduser(value))
     base64_text = _DATA_URI.sub("", value, count=1)
     if os.path.isfile(path):
@@ -263,13 +267,31 @@ def read_image(value, base_dir: str):
     return image.convert("RGB")
 
 
+# The image parts of chat messages as datasets write them: transformers' ({"type": "image", "image" | "path" | "url" |
+# "base64": ...}) and OpenAI's ({"type": "image_url", "image_url": {"url": ...}}, also the Responses API's
+# "input_image").
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+IMAGE_SOURCE_KEYS = ("image", "path", "url", "base64", "image_url")
+
+
 def _is_image_part(part) -> bool:
-    return isinstance(part, dict) and part.get("type") == "image"
+    return isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+
+
+def image_source(part: dict):
+    """Where an image part's image is (a path, a data URI or base64 text), under whichever key its format uses."""
+    for key in IMAGE_SOURCE_KEYS:
+        value = part.get(key)
+        value = value.get("url") if isinstance(value, dict) else value
+        if value is not None:
+            return value.removeprefix("file://") if isinstance(value, str) else value
+    return None
 
 
 def split_images(messages: list[dict], base_dir: str) -> tuple[list[dict], list]:
     """The messages with each image part reduced to {"type": "image"} (what templates render), and the images read,
-    in the order of their parts."""
+    in the order of their parts. A part that is neither text nor an image (a video, audio) is refused: a template
+    would drop it, or write a placeholder no input fills, and the sample would train without it."""
     rendered, images = [], []
     for message in messages:
         content = message["content"]
@@ -277,8 +299,14 @@ def split_images(messages: list[dict], base_dir: str) -> tuple[list[dict], list]
             parts = []
             for part in content:
                 if _is_image_part(part):
-                    images.append(read_image(part.get("image", part.get("path")), base_dir))
+                    images.append(read_image(image_source(part), base_dir))
                     part = {"type": "image"}
+                elif not (isinstance(part, dict) and part.get("type") == "text"):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise DataError(f"a message part of type {kind!r}: these scripts read text parts "
+                                    f"({{\"type\": \"text\", \"text\": ...}}) and image parts "
+                                    f"({{\"type\": \"image\", \"image\": path or base64}}) only; convert or "
+                                    f"remove it.")
                 parts.append(part)
             message = dict(message, content=parts)
         rendered.append(message)
@@ -303,11 +331,13 @@ def prompts_with_images(prompts: list, source: str) -> tuple[list, list[list]]:
 
 
 def _absolute(part, folder: str):
-    """An image part whose path is relative made absolute; any other part as it is."""
-    if not (_is_image_part(part) and isinstance(part.get("image"), str)):
+    """An image part as {"type": "image", "image": ...}, its path made absolute if it was relative; any other part as
+    it is."""
+    if not _is_image_part(part):
         return part
-    path = os.path.join(folder, os.path.expanduser(part["image"]))
-    return dict(part, image=os.path.abspath(path)) if os.path.isfile(path) else part
+    source = image_source(part)
+    path = os.path.join(folder, os.path.expanduser(source))
+    return {"type": "image", "image": os.path.abspath(path) if os.path.isfile(path) else source}
 
 
 def rows_with_images(rows: list[dict], key: str) -> int:

@@ -205,6 +205,38 @@ def test_a_bad_image_stops_the_run_with_the_file_and_sample_named(tiny_vlm, tmp_
         vlm.build_vlm_sft_samples(data.load_records(source), processor, source, "prompt", "response", 128)
 
 
+def test_every_image_part_layout_datasets_use_reads_the_same_image_and_other_parts_are_refused(tiny_vlm, tmp_path):
+    """transformers' image parts ("image", "path", "url", "base64" keys), OpenAI's ("image_url" with {"url": ...} or
+    the bare text, "input_image") and file:// addresses give the same sample; before, OpenAI's parts were handed to
+    the chat template, which drops a part type it does not know: the image left out, silently. A part that is
+    neither text nor an image, or a web address, stops the run."""
+    processor = vlm.load_processor(tiny_vlm)
+    (tmp_path / "red.png").write_bytes(png_bytes((40, 56), (255, 0, 0)))
+    path, uri = str(tmp_path / "red.png"), "data:image/png;base64," + base64.b64encode(png_bytes((40, 56),
+                                                                                                  (255, 0, 0))).decode()
+    layouts = [{"type": "image", "image": "red.png"}, {"type": "image", "path": path},
+               {"type": "image", "url": "file://" + path}, {"type": "image", "base64": uri},
+               {"type": "image_url", "image_url": {"url": uri}}, {"type": "image_url", "image_url": path},
+               {"type": "input_image", "image_url": uri}]
+    rows = [{"prompt": [{"role": "user", "content": [part, {"type": "text", "text": "how many?"}]}], "response": "3"}
+            for part in layouts]
+    source = write_jsonl(tmp_path / "train.jsonl", rows)
+    samples = vlm.build_vlm_sft_samples(data.load_records(source), processor, source, "prompt", "response", 128)
+    assert len(samples) == len(layouts) and all(len(s["images"]) == 1 for s in samples)
+    pixels = [vlm.image_inputs(processor, [s], packing=False)["pixel_values"] for s in samples]
+    assert all(s["input_ids"] == samples[0]["input_ids"] for s in samples)
+    assert all(torch.equal(p, pixels[0]) for p in pixels)
+
+    for part, message in [({"type": "video", "video": "clip.mp4"}, r"a message part of type 'video': these scripts "
+                                                                   r"read text parts .* and image parts .* only"),
+                          ("how many?", r"a message part of type 'str'"),
+                          ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                           r"image 'https://example.com/a.png' is a web address, which these scripts do not fetch")]:
+        bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"role": "user", "content": [part]}], "response": "3"}])
+        with pytest.raises(data.DataError, match=rf"^{bad}, sample 0: {message}"):
+            vlm.build_vlm_sft_samples(data.load_records(bad), processor, bad, "prompt", "response", 128)
+
+
 def test_image_rows_for_a_text_model_and_text_only_flags_for_a_vlm_are_refused(tiny_model, tiny_vlm, tmp_path):
     source = write_jsonl(tmp_path / "train.jsonl", [image_row(["red.png"]), {"prompt": "hi", "response": "3"}])
     with pytest.raises(data.DataError, match=rf"{source}: 1 rows hold images under 'prompt', and the model "
