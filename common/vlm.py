@@ -371,7 +371,9 @@ def tokenize_with_images(processor, text: str, spans: list[tuple[int, int]], ima
     pieces = text.split(processor.image_token)
     if len(pieces) - 1 != len(images):
         raise DataError(f"the rendered text holds {len(pieces) - 1} image placeholders {processor.image_token!r} "
-                        f"for {len(images)} image parts; remove that token from the text parts.")
+                        f"for {len(images)} image parts; remove that token from the text parts (an image goes "
+                        f"into the messages as a part, {{\"type\": \"image\", \"image\": path}}, and the chat "
+                        f"template writes its placeholder).")
     ids, mask, offset, images_end = [], [], 0, 0
     for k, piece in enumerate(pieces):
         piece_spans = [(s - offset, e - offset) for s, e in spans]
@@ -594,7 +596,9 @@ def with_images(entry: dict, processor, source: str) -> dict:
     placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     if entry["ids"].count(placeholder) != len(images):
         raise DataError(f"the rendered prompt holds {entry['ids'].count(placeholder)} image placeholders "
-                        f"{processor.image_token!r} for {len(images)} image parts; remove that token from the text.")
+                        f"{processor.image_token!r} for {len(images)} image parts; remove that token from the text "
+                        f"(an image goes into the messages as a part, {{\"type\": \"image\", \"image\": path}}, "
+                        f"and the chat template writes its placeholder).")
     expanded, pending = [], iter(images)
     for token in entry["ids"]:
         expanded += image_token_ids(processor, next(pending)) if token == placeholder else [token]

@@ -209,7 +209,7 @@ def test_every_image_part_layout_datasets_use_reads_the_same_image_and_other_par
     """transformers' image parts ("image", "path", "url", "base64" keys), OpenAI's ("image_url" with {"url": ...} or
     the bare text, "input_image") and file:// addresses give the same sample; before, OpenAI's parts were handed to
     the chat template, which drops a part type it does not know: the image left out, silently. A part that is
-    neither text nor an image, or a web address, stops the run."""
+    neither text nor an image, a web address, or a placeholder typed into the text stops the run."""
     processor = vlm.load_processor(tiny_vlm)
     (tmp_path / "red.png").write_bytes(png_bytes((40, 56), (255, 0, 0)))
     path, uri = str(tmp_path / "red.png"), "data:image/png;base64," + base64.b64encode(png_bytes((40, 56),
@@ -231,7 +231,10 @@ def test_every_image_part_layout_datasets_use_reads_the_same_image_and_other_par
                                                                    r"read text parts .* and image parts .* only"),
                           ("how many?", r"a message part of type 'str'"),
                           ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
-                           r"image 'https://example.com/a.png' is a web address, which these scripts do not fetch")]:
+                           r"image 'https://example.com/a.png' is a web address, which these scripts do not fetch"),
+                          ({"type": "text", "text": "<image>how many?"},  # LLaVA's rows: images under a key apart
+                           r"the rendered text holds 1 image placeholders '<image>' for 0 image parts; remove that "
+                           r"token .* \(an image goes into the messages as a part, .*\)\.$")]:
         bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"role": "user", "content": [part]}], "response": "3"}])
         with pytest.raises(data.DataError, match=rf"^{bad}, sample 0: {message}"):
             vlm.build_vlm_sft_samples(data.load_records(bad), processor, bad, "prompt", "response", 128)
