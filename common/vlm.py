@@ -563,7 +563,7 @@ def check_sampler_args(args) -> bool:
         return False
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
                text_reward_models(args.reward_pretrain),
-               not_by_row(args.reward_pretrain or []),
+               unreadable_layouts(args.reward_pretrain or []),
                (args.mode == "csft", "takes --mode best_of_n or dpo_pairs (csft writes rewards into text prompts)")]
     for wrong, what in refused:
         if wrong:
@@ -623,26 +623,73 @@ def engine_prompts(prompts: list[dict]) -> tuple[list[list[int]], list[list] | N
 
 def experience_images(pretrain: str, prompts: list[dict], samples: list[list[dict]]) -> dict[str, torch.Tensor]:
     """The forward's image tensors for ppo_ray.py's experience, one row per response in build_batch's order (each
-    response sees its prompt's images), every tensor (rows, ...) so that the batch is cut by rows like the others;
-    {} without images. A processor whose tensors are not per row (Qwen-VL's patches of all images in one) is refused."""
+    response sees its prompt's images), every tensor (rows, ...) so that the batch is cut by rows like the others
+    (per_row_image_inputs); {} without images."""
     rows = [p.get("images", []) for p, group in zip(prompts, samples) for _ in group]
     if not any(rows):
         return {}
-    return per_row_image_inputs(cached_processor(pretrain), [{"images": images} for images in rows],
-                                f"--pretrain {pretrain}")
+    return per_row_image_inputs(cached_processor(pretrain), [{"images": images} for images in rows])
 
 
-def per_row_image_inputs(processor, rows: list[dict], model: str) -> dict[str, torch.Tensor]:
-    """image_inputs of padded rows, every tensor (rows, ...), so that ppo_ray.py's workers cut them into micro-batches
-    by rows like the token tensors; a processor whose tensors are not per row (Qwen-VL's patches of all images in one)
-    is refused, `model` naming the flag and folder."""
-    inputs = image_inputs(processor, rows, packing=False)
-    for key, value in inputs.items():
-        if value.shape[0] != len(rows):
-            raise UserError(f"{model}: its processor gives {key} of shape {tuple(value.shape)}, not one row per "
-                            f"response, which ppo_ray.py cuts into micro-batches by rows; it takes vision-language "
-                            f"models whose images are per row (Idefics3, SmolVLM) so far.")
+def per_row_image_inputs(processor, rows: list[dict]) -> dict[str, torch.Tensor]:
+    """image_inputs of padded rows with every tensor (rows, ...), so that ppo_ray.py's workers and the reward models
+    cut them into micro-batches by rows like the token tensors (forward_images gives the forward its own layout back).
+
+    A processor that gives the images by row (Idefics3's pixel_values (rows, images, 3, H, W)) keeps its tensors. One
+    that lays the batch's images along one axis of units (Qwen-VL's pixel_values (patches, ...) and image_grid_thw
+    (images, 3), LLaVA's (images, 3, H, W)) has each row's units put in a row of their own, zeros after them, and
+    `<key>_units` (rows,) says how many are the row's (check_image_layout probes that a processor is one of the two)."""
+    if lays_images_by_row(processor):
+        return image_inputs(processor, rows, packing=False)
+    alone = [image_inputs(processor, [row], packing=False) for row in rows]  # {key: (the row's units, ...)} each
+    inputs = {}
+    for key in dict.fromkeys(key for row in alone for key in row):
+        units = [row[key] if key in row else None for row in alone]
+        shape = next(u for u in units if u is not None).shape[1:]
+        counts = [0 if u is None else len(u) for u in units]
+        inputs[key] = torch.zeros(len(rows), max(counts), *shape, dtype=next(u for u in units if u is not None).dtype)
+        for row, value in enumerate(units):
+            if value is not None:
+                inputs[key][row, :len(value)] = value
+        inputs[f"{key}_units"] = torch.tensor(counts)
     return inputs
+
+
+def lays_images_by_row(processor) -> bool:
+    """Whether the processor's image tensors have one entry per row along their first axis, for rows holding different
+    numbers of images (Idefics3's, SmolVLM's); else they are the batch's images laid along one axis of units."""
+    return all(value.shape[0] == 2 for value in image_inputs(processor, _probe_rows(), packing=False).values())
+
+
+def _probe_rows() -> list[dict]:
+    """Two rows of one and two images of other sizes, which tell the layouts apart."""
+    from PIL import Image
+
+    return [{"images": [Image.new("RGB", (28, 28), "red")]},
+            {"images": [Image.new("RGB", (56, 28), "blue"), Image.new("RGB", (28, 56), "green")]}]
+
+
+def units_in_order(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """per_row_image_inputs' rows of units as the forward takes them: each key's units of every row, one row after
+    another (the order the rows' image tokens come in, padded or packed alike)."""
+    return {key: torch.cat([value[row, :n] for row, n in enumerate(inputs[f"{key}_units"].tolist())])
+            for key, value in inputs.items() if not key.endswith("_units")}
+
+
+def check_image_layout(path: str) -> bool:
+    """Whether the processor of the vision-language model at `path` gives images that per_row_image_inputs can put
+    in rows and forward_images give back as the processor lays them for a batch; True for a text model."""
+    if not is_vision_language(path):
+        return True
+    processor = cached_processor(path)
+    if lays_images_by_row(processor):
+        return True
+    expected = image_inputs(processor, _probe_rows(), packing=False)
+    try:
+        given = units_in_order(per_row_image_inputs(processor, _probe_rows()))
+    except RuntimeError:  # rows whose units differ in shape: a batch's images padded to the largest
+        return False
+    return given.keys() == expected.keys() and all(torch.equal(given[k], expected[k]) for k in given)
 
 
 def reward_model_batch(processor, prompts: list, responses: list[str], images: list[list], path: str) -> dict:
@@ -656,13 +703,13 @@ def reward_model_batch(processor, prompts: list, responses: list[str], images: l
         messages.append({"role": "assistant", "content": response})
         rows.append(sample_of_read_images(processor, messages, row_images, sys.maxsize, end_with_eos=True)[0])
     batch = pad_collate(rows, processor.tokenizer.pad_token_id, keys=("input_ids",))
-    return {**batch, **(per_row_image_inputs(processor, rows, f"--reward_pretrain {path}") if any(images) else {})}
+    return {**batch, **(per_row_image_inputs(processor, rows) if any(images) else {})}
 
 
 def is_image_input(key: str) -> bool:
-    """Whether a batch's tensor is an image input of the forward (pixel_values, pixel_attention_mask), cut by rows
-    only: it has no token axis."""
-    return key.startswith("pixel_")
+    """Whether a batch's tensor is an image input of the forward (pixel_values, pixel_attention_mask, image_grid_thw)
+    or per_row_image_inputs' count of a row's units, cut by rows only: it has no token axis."""
+    return key.startswith(("pixel_", "image_"))
 
 
 def forward_images(model, batch: dict, packed: bool = False) -> dict[str, torch.Tensor]:
@@ -675,6 +722,8 @@ def forward_images(model, batch: dict, packed: bool = False) -> dict[str, torch.
     image_token = getattr(getattr(model, "module", model).config, "image_token_id", None)
     if not (batch["input_ids"] == image_token).any():
         return {}
+    if any(key.endswith("_units") for key in inputs):  # a batch's images along one axis: packed or not alike
+        return units_in_order(inputs)
     return packed_image_inputs(inputs) if packed else inputs
 
 
@@ -713,7 +762,8 @@ def reads_images_alike(policy: str, other: str) -> bool:
 def packs_images_by_row(processor) -> bool:
     """Whether the processor lays out a packed row's images as packed_image_inputs turns its padded rows into one, so
     that ppo_ray.py can pack the experience's per-row images on its workers (--packing_samples). Idefics3's and
-    SmolVLM's do; a processor whose tensors have no per-row image axis (PaliGemma's (images, 3, H, W)) does not."""
+    SmolVLM's do. (A processor that lays a batch's images along one axis of units packs them as it lays them:
+    units_in_order serves both.)"""
     from PIL import Image
 
     rows = [{"images": [Image.new("RGB", (8, 8), colour)]} for colour in ("red", "blue")]
@@ -726,25 +776,13 @@ def packs_images_by_row(processor) -> bool:
         packed[key].shape == from_rows[key].shape and torch.equal(packed[key], from_rows[key]) for key in packed)
 
 
-def gives_images_by_row(path: str) -> bool:
-    """Whether the model's processor gives every image tensor one entry per row, for rows holding different numbers
-    of images (Idefics3's pixel_values (rows, images, 3, H, W)): ppo_ray.py's workers and the reward models cut
-    batches into micro-batches by rows. Qwen-VL's processor puts the patches of all the batch's images along one
-    axis, PaliGemma's and LLaVA's the images."""
-    from PIL import Image
-
-    rows = [{"images": [Image.new("RGB", (28, 28), colour) for colour in colours]} for colours in (["red"],
-                                                                                                ["red", "blue"])]
-    return all(value.shape[0] == len(rows) for value in image_inputs(cached_processor(path), rows, False).values())
-
-
-def not_by_row(paths: list[str]) -> tuple[list[str], str]:
-    """The vision-language models among `paths` whose processor does not give images by row (gives_images_by_row),
-    and what a refusal (check_sampler_args, check_ppo_args) says of the first."""
-    wrong = [path for path in dict.fromkeys(paths) if is_vision_language(path) and not gives_images_by_row(path)]
-    return wrong, (f"is trained and scored here in batches cut by rows, and the processor of {wrong[0]} lays every "
-                   f"image of a batch along one axis (as Qwen-VL's and LLaVA's do) instead of giving each row's "
-                   f"apart: give a model whose processor gives them by row (Idefics3, SmolVLM); the others train "
+def unreadable_layouts(paths: list[str]) -> tuple[list[str], str]:
+    """The vision-language models among `paths` whose processor lays out images in a way per_row_image_inputs cannot
+    cut by rows (check_image_layout), and what a refusal (check_sampler_args, check_ppo_args) says of the first."""
+    wrong = [path for path in dict.fromkeys(paths) if not check_image_layout(path)]
+    return wrong, (f"is trained and scored here in batches cut by rows, and the processor of {wrong[0]} lays out "
+                   f"a batch's images neither by row nor as one axis of every image's units that these scripts can "
+                   f"cut by rows: give a model whose processor does (Idefics3, SmolVLM, Qwen-VL); the others train "
                    f"with sft.py, rm.py, dpo.py and kto.py" if wrong else "")
 
 
@@ -768,7 +806,7 @@ def check_ppo_args(args) -> bool:
     critic = args.critic_pretrain or (args.reward_pretrain or [args.pretrain])[0]  # common/placement.py critic_path
     refused = [(not args.apply_chat_template, "needs --apply_chat_template (image parts are chat-message content)"),
                text_reward_models(args.reward_pretrain),
-               not_by_row([args.pretrain, *(args.reward_pretrain or []), critic]),
+               unreadable_layouts([args.pretrain, *(args.reward_pretrain or []), critic]),
                (args.advantage_estimator == "gae" and not is_vision_language(critic),
                 f"trains with a critic that reads its prompts' images, and {critic} (where the critic starts) is a "
                 f"text model: give --critic_pretrain a vision-language model (the policy, or a reward model rm.py "
@@ -785,9 +823,10 @@ def check_ppo_args(args) -> bool:
                (args.lora_rank and not getattr(args, "freeze_vision_tower", True),
                 "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "
                 "--freeze_vision_tower false, or --lora_rank to train the tower"),
-               (args.packing_samples and not packs_images_by_row(cached_processor(args.pretrain)),
-                "is packed here only when its processor gives each row's images along a second axis (Idefics3's, "
-                "SmolVLM's), and its processor does not: leave out --packing_samples"),
+               (args.packing_samples and lays_images_by_row(cached_processor(args.pretrain))
+                and not packs_images_by_row(cached_processor(args.pretrain)),
+                "is packed here only when its processor lays a packed row's images as it lays each row's "
+                "(Idefics3's and SmolVLM's do), and its processor does not: leave out --packing_samples"),
                (getattr(args, "share_prompts", False), "computes each row with its images here: leave out "
                                                        "--share_prompts")]
     for wrong, what in refused:

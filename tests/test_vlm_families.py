@@ -12,18 +12,23 @@ position ids, as a processor's output is given.
 
 import copy
 import inspect
+from types import SimpleNamespace
 
+import ppo_ray
 import pytest
 import torch
 import transformers
+from PIL import Image
 from transformers import AutoModelForImageTextToText, PaliGemmaConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_MAPPING_NAMES)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from common import vlm
 from common.args import UserError
-from common.modeling import next_token_logits, pack_rows, packed_sequence_rewards, sequence_rewards
+from common.modeling import (next_token_logits, pack_rows, packed_sequence_rewards, sequence_rewards,
+                             token_logprobs)
 
 VOCAB, IMAGE, VIDEO, START, END = 200, 190, 191, 192, 193
 PATCH_VALUES = 3 * 2 * 14 * 14  # channels x frames a patch spans x pixels: one row of pixel_values
@@ -173,6 +178,54 @@ def test_the_library_forwards_and_a_scalar_head_read_the_samples_as_alone():
     ids, positions, _ = pack_rows(*padded(left=False))
     torch.testing.assert_close(packed_sequence_rewards(head, ids, positions, **image_inputs(range(3))), expected,
                                atol=1e-5, rtol=1e-4)
+
+
+# The images of the three samples, (width, height): under qwen_images() their grids are GRIDS'.
+IMAGE_SIZES = [[(56, 56)], [(84, 28), (28, 56)], []]
+
+
+def qwen_images():
+    """Qwen2-VL's own image processor (its PIL one: the processor around it needs torchvision), keeping images of
+    28 x 28 to 112 x 112 pixels at their size."""
+    return SimpleNamespace(image_processor=Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28,
+                                                                           "longest_edge": 112 * 112}))
+
+
+def noise_images(i: int) -> list:
+    generator = torch.Generator().manual_seed(100 + i)
+    return [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=generator, dtype=torch.uint8).numpy())
+            for w, h in IMAGE_SIZES[i]]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("packing, rows", [(False, 3), (True, 3), (False, 2)],
+                         ids=["padded", "packed", "micro-batches-of-2"])
+def test_ppo_rays_experience_gives_each_micro_batch_its_rows_images_as_the_processor_lays_them(family, packing, rows):
+    """ppo_ray.py's experience cuts a batch's image tensors by rows, and Qwen-VL's processor lays a batch's images
+    along one axis (pixel_values (patches, ...), image_grid_thw (images, 3)): each row holds its own units
+    (vlm.per_row_image_inputs), and each micro-batch, padded or packed, gives the forward its rows' units in order
+    (micro-batches of 3 rows: both rows with images at once; of 2: the text row with the one-image row).
+    The actor's log-probs of each response then equal the model's own forward of its sample alone, with the
+    processor's tensors for that sample's images."""
+    from test_ppo_packing import RecordingEngine, worker
+
+    from common.model_worker import ModelWorker
+
+    model, reference = family
+    processor, images = qwen_images(), [noise_images(i) for i in range(3)]
+    assert not vlm.lays_images_by_row(processor)
+    prompts, responses = [s[:-3] for s in SAMPLES], [[{"token_ids": s[-3:], "logprobs": None}] for s in SAMPLES]
+    batch = ppo_ray.build_batch(prompts, responses, 0) | vlm.per_row_image_inputs(
+        processor, [{"images": row} for row in images])  # (rows, ...) each
+    assert batch["pixel_values_units"].tolist() == [16, 20, 0] and batch["image_grid_thw_units"].tolist() == [1, 2, 0]
+    actor = worker(ModelWorker, RecordingEngine(model), packing_samples=packing, micro_train_batch_size=rows)
+    logprobs = actor.logprobs(batch)  # (rows, seq - 1)
+    for i, s in enumerate(SAMPLES):
+        ids = torch.tensor([s])
+        inputs = vlm.image_inputs(processor, [{"images": images[i]}], packing=False)  # the sample's alone
+        logits = reference(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(), **inputs).logits[0, -4:-1]
+        torch.testing.assert_close(logprobs[i, len(s) - 4:len(s) - 1], token_logprobs(logits, ids[0, -3:]),
+                                   atol=1e-5, rtol=1e-4)
 
 
 def test_every_family_is_taken_with_the_inputs_it_needs_or_refused_in_one_sentence(tmp_path):

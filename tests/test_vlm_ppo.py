@@ -15,6 +15,7 @@ import ppo_ray
 import pytest
 import torch
 from conftest import SEED, expect, run_script
+from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -215,27 +216,41 @@ def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))  # Idefics3's images are per row
 
 
-def test_a_processor_that_lays_a_batchs_images_along_one_axis_is_refused_before_anything_starts(tiny_vlm, tmp_path,
-                                                                                                 monkeypatch):
-    """ppo_ray.py cuts the experience, the reward models' batches and the critic's into micro-batches by rows, so a
-    model whose processor stacks every image of a batch along one axis (PaliGemma's SigLIP image processor: (images,
-    3, H, W); Qwen-VL's patches) is refused at start, for the policy and for a reward model, where before it was met
-    at the first experience; nor can its rows be packed."""
+def test_a_processor_whose_images_cannot_be_cut_by_rows_is_refused_before_anything_starts(tiny_vlm, tmp_path,
+                                                                                          monkeypatch):
+    """ppo_ray.py cuts the experience, the reward models' batches and the critic's by rows. A processor that lays a
+    batch's images along one axis (PaliGemma's SigLIP image processor: (images, 3, H, W); Qwen-VL's patches) has each
+    row's put in a row of their own and given back in order; one that pads every image to the batch's most patches
+    (LLaVA-NeXT's: (images, the most patches, 3, H, W)) cannot be cut so, and is refused at start, for the policy and
+    for a reward model, where before it was met at the first experience."""
     from transformers import SiglipImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     stacked = SimpleNamespace(image_processor=SiglipImageProcessorPil(size={"height": 16, "width": 16}))
-    assert not vlm.packs_images_by_row(stacked)
-    reward_model = write_tiny_vlm(str(tmp_path / "rm"))
+    padded = SimpleNamespace(image_processor=LlavaNextImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+        image_grid_pinpoints=[[28, 28], [28, 56], [56, 28], [56, 56]]))
+    rows = [{"images": [Image.new("RGB", (28, 28), "red")]}, {"images": []},
+            {"images": [Image.new("RGB", (56, 28), "blue"), Image.new("RGB", (28, 56), "green")]}]
+    given = vlm.per_row_image_inputs(stacked, rows)
+    assert given["pixel_values"].shape[:2] == (3, 2) and given["pixel_values_units"].tolist() == [1, 0, 2]
+    assert torch.equal(vlm.units_in_order(given)["pixel_values"],
+                       vlm.image_inputs(stacked, rows, packing=False)["pixel_values"])
+
+    reward_model, other = write_tiny_vlm(str(tmp_path / "rm")), write_tiny_vlm(str(tmp_path / "other"))
     real = vlm.cached_processor
-    monkeypatch.setattr(vlm, "cached_processor", lambda path: stacked if path == reward_model else real(path))
-    assert vlm.gives_images_by_row(tiny_vlm) and not vlm.gives_images_by_row(reward_model)
+    processors = {reward_model: padded, other: stacked}
+    monkeypatch.setattr(vlm, "cached_processor", lambda path: processors.get(path) or real(path))
+    assert vlm.check_image_layout(tiny_vlm) and vlm.check_image_layout(other)
+    assert not vlm.check_image_layout(reward_model)
     with pytest.raises(UserError, match=rf"^--pretrain {tiny_vlm} is a vision-language model, which is trained and "
                                         rf"scored here in batches cut by rows, and the processor of {reward_model} "
-                                        rf"lays every image of a batch along one axis .* \(Idefics3, SmolVLM\); .*\.$"):
+                                        rf"lays out a batch's images neither by row nor .* \(Idefics3, SmolVLM, "
+                                        rf"Qwen-VL\); .*\.$"):
         vlm.check_ppo_args(ppo_args(tiny_vlm, reward_fn=None, reward_pretrain=[reward_model]))
-    with pytest.raises(UserError, match=rf"the processor of {reward_model} lays"):  # as the policy
+    with pytest.raises(UserError, match=rf"the processor of {reward_model} lays out"):  # as the policy
         vlm.check_ppo_args(ppo_args(reward_model))
-    assert vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))
+    assert vlm.check_ppo_args(ppo_args(other, packing_samples=True))  # its images packed as they are laid
 
 
 LENGTH_REWARD = """
