@@ -180,6 +180,16 @@ def test_the_library_forwards_and_a_scalar_head_read_the_samples_as_alone():
                                atol=1e-5, rtol=1e-4)
 
 
+def test_freeze_vision_tower_freezes_the_visual_module_its_merger_with_it(family):
+    """--freeze_vision_tower freezes the module built from vision_config, which in these families holds the merger
+    (their connector) too; the language model and its head train (docs/vlm.md)."""
+    model = copy.deepcopy(family[1])
+    assert vlm.freeze_vision_tower(model) == sum(p.numel() for p in model.model.visual.parameters())
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {name for name, _ in model.named_parameters() if name.startswith("model.visual.")}
+    assert any(".merger." in name for name in frozen)
+
+
 # The images of the three samples, (width, height): under qwen_images() their grids are GRIDS'.
 IMAGE_SIZES = [[(56, 56)], [(84, 28), (28, 56)], []]
 
