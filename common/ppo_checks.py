@@ -1,6 +1,6 @@
 """ppo_ray.py's flag and model checks, run before Ray starts: each mistake a user can make is one sentence."""
 
-from common import rewards, routing_replay
+from common import prompt_sharing, rewards, routing_replay
 from common.args import (UserError, check_causal_lm, check_decoder_only, check_lengths, check_model_path,
                          check_output_dir, check_packing)
 from common.checkpoint import check_keep_last
@@ -129,6 +129,7 @@ def check_args(args) -> None:
                         "experts row by row; leave out one of the two.")
     if args.share_prompts:  # a packed row's samples must not read each other (common/prompt_sharing.py)
         check_packing(args.pretrain, "--pretrain", cuda=False, option="--share_prompts")
+        prompt_sharing.check_window(args)
     if args.packing_samples:  # the reward models score padded rows
         check_packing(args.pretrain)
         if args.advantage_estimator == "gae" and critic_path(args) != args.pretrain:  # the critic trains packed

@@ -12,8 +12,9 @@ check_packing_attention), so this serves short sequences, with sdpa or eager att
 with sdpa under --share_prompts: flash-attention's kernels take no such mask). A model whose layers do not read the
 mask (recurrent or linear-attention layers) would let the samples read each other: `check_once` compares the first
 shared micro-batch against the padded forward and stops the run where they differ. A sliding window is not in the
-mask: rows longer than the window would attend beyond it. A mixture of experts' load-balancing loss counts a shared
-prompt's tokens once.
+mask (transformers hands a given 4D mask to its sliding layers as it is): a model whose sliding window is shorter than
+its rows can be (--prompt_max_len + --generate_max_len) is refused (check_window); within the window it changes
+nothing. A mixture of experts' load-balancing loss counts a shared prompt's tokens once.
 """
 
 import random
@@ -93,6 +94,27 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: tor
     device = input_ids.device
     return (torch.tensor(ids, device=device)[None], torch.tensor(positions, device=device)[None],
             mask.to(device)[None, None], keep.to(device), where.to(device))
+
+
+def sliding_window(path: str) -> int | None:
+    """The window of the model's sliding-attention layers (Mistral's, Gemma's local layers, gpt-oss's), None where
+    every layer attends to the whole row (Qwen2's window is off unless its layer_types name sliding layers)."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(path).get_text_config()
+    window, layer_types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    return window if window and (layer_types is None or "sliding_attention" in layer_types) else None
+
+
+def check_window(args) -> None:
+    """Refuse --share_prompts where the policy's rows can outgrow its sliding window, which the shared mask does not
+    hold: a response would read its prompt beyond the window, unlike in its own row."""
+    window, longest = sliding_window(args.pretrain), args.prompt_max_len + args.generate_max_len
+    if window is not None and longest > window:
+        raise UserError(f"--share_prompts: {args.pretrain} attends within a sliding window of {window} tokens, which "
+                        f"the shared forward's mask does not hold, and its rows reach {longest} tokens "
+                        f"(--prompt_max_len + --generate_max_len); keep them within {window}, or leave out "
+                        f"--share_prompts.")
 
 
 def next_token_logits(model, batch: dict, start: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ mixture-of-experts Mixtral; a shared row whose samples can see each other does n
 catches it."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -193,3 +194,52 @@ def test_a_model_computing_with_flash_attention_is_refused_by_the_shared_forward
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(UserError, match=r"--share_prompts .* which flash_attention_2 does not take"):
         prompt_sharing.next_token_logits(model, batch, 0)
+
+
+def sliding(tiny_model: str, folder, window: int | None) -> str:
+    """The tiny Llama's weights as a Mistral (the same weight names) whose layers attend within `window` tokens."""
+    shutil.copytree(tiny_model, folder)
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_sliding_window_shorter_than_the_rows_is_refused_and_one_that_holds_them_changes_nothing(tiny_model,
+                                                                                                   tmp_path):
+    """transformers hands the shared forward's 4D mask to sliding layers as it is, so a response reads its prompt
+    beyond the window where its own row would not: with a window of 4 tokens the shared log-probs move; with one that
+    holds the rows (up to 14 tokens here) they are the padded ones. --share_prompts is refused where
+    --prompt_max_len + --generate_max_len outgrow the window."""
+    batch = rollout(AutoTokenizer.from_pretrained(tiny_model))
+    mask = batch["action_mask"].bool()
+    for window, moved in ((4, True), (16, False)):
+        model = AutoModelForCausalLM.from_pretrained(sliding(tiny_model, tmp_path / f"w{window}", window),
+                                                     dtype=torch.float32)
+        shared = actor(SummingEngine(model, 1), share_prompts=True)
+        shared.shared_checked = True  # the check off: the two forwards' own gap
+        with torch.no_grad():
+            gap = (shared._logprobs(batch) - actor(SummingEngine(model, 1))._logprobs(batch))[mask].abs().max()
+        assert (gap > 1e-3) == moved, (window, float(gap))
+    args = ppo_ray.Args(pretrain=str(tmp_path / "w4"), share_prompts=True, prompt_max_len=8, generate_max_len=8)
+    with pytest.raises(UserError, match=r"^--share_prompts: .*w4 attends within a sliding window of 4 tokens, .* "
+                                        r"its rows reach 16 tokens .* or leave out --share_prompts\.$"):
+        prompt_sharing.check_window(args)
+    prompt_sharing.check_window(ppo_ray.Args(pretrain=str(tmp_path / "w16"), prompt_max_len=8, generate_max_len=8))
+    prompt_sharing.check_window(ppo_ray.Args(pretrain=sliding(tiny_model, tmp_path / "none", None),
+                                             prompt_max_len=8, generate_max_len=8))
+
+
+@pytest.mark.parametrize("config, window", [
+    ({"model_type": "qwen2"}, None),  # a window in its config, off unless layer_types name sliding layers
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1,
+      "num_hidden_layers": 2}, 64),
+    ({"model_type": "gemma3_text", "sliding_window": 32}, 32),  # local layers among global ones
+    ({"model_type": "llama"}, None),
+])
+def test_sliding_window_reads_each_familys_way_of_saying_it(tmp_path, config, window):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(**config).save_pretrained(tmp_path)
+    assert prompt_sharing.sliding_window(str(tmp_path)) == window
