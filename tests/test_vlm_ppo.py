@@ -367,10 +367,12 @@ def test_grpo_with_packed_samples_reads_each_ones_images_and_vllm_follows_the_tr
 
 
 # A packed gae run of a VLM policy against the padded one (the critic the policy with a fresh head, seeded alike):
-# every metric of every step and the saved actor, as tests/test_equivalence.py compares a text run packed. Measured
-# (seed 0/1/2): metrics PACKED_METRICS, weights PACKED_WEIGHTS apart. The critic's packed forward given every
-# sample the first sample's images moved loss/value_avg by BREAK.
-PACKED_METRIC_ATOL, PACKED_WEIGHT_ATOL = 1e-5, 1e-4
+# every metric of every step (absolute) and the saved actor, as tests/test_equivalence.py compares a text run packed.
+# Measured under seeds 0/1/2 (one thread): metrics 9.5e-7 / 1.9e-6 / 3.8e-6 apart (the largest on loss/value_avg, about
+# 30, or objective/entropy, about 5.8), weights 1.7e-4 / 3.2e-4 / 3.5e-4 (three Adam steps at 1e-2). With the critic's
+# packed forward left without the images (seed 0): loss/value_avg 0.24 off at step 1, 0.35 at step 3, the weights
+# 3.2e-2, as the values steer the advantages. The tolerances are about 8x and 6x the largest measured.
+PACKED_METRIC_ATOL, PACKED_WEIGHT_ATOL = 3e-5, 2e-3
 
 
 @pytest.mark.slow
