@@ -2,7 +2,7 @@
 processor expands them (what vLLM returns and the trainer scores), the experience's pixel values row by row, the flags
 that cannot apply refused, and GRPO runs whose vllm/logprob_diff stays at float rounding after every weight sync,
 with the vision tower trained (and synced) or frozen (and left out of the sync), on one actor rank or on two under
-ZeRO-3; a packed gae run with a VLM critic that is the padded run; a sync that leaves a trained vision layer out stops."""
+ZeRO-3; a packed gae run with a VLM critic that is the padded run; a sync leaving a trained vision layer out stops."""
 
 import dataclasses
 import json
