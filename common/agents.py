@@ -378,7 +378,7 @@ class AgentEndpoint:
                        for part in m["content"]):
                     raise UserError("the agent's request adds an image after its first request, and an episode's "
                                     "images are its first request's; send later messages as text")
-                check_text_tokens(added, [image_token_id(self.processor)], "the agent's new messages")
+                check_text_tokens(added, [image_token_id(self.processor)], "the agent's later message")
             return continued(episode.start, episode.token_ids + added), True
         if known:
             episode.restarts += 1
