@@ -122,8 +122,8 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
         for _ in range(n):
             env = make_env()
             start = first_request(tokenizer, env, prompt, chat_template, input_template, prompt_max_len, timeout)
-            episodes.append({"env": env, "start": start, "prompt_ids": start["ids"], "token_ids": [], "logprobs": [], "env_mask": [],
-                             "reward": 0.0, "turns": 0, "done": False, "finish_reason": "stop"})
+            episodes.append({"env": env, "start": start, "prompt_ids": start["ids"], "token_ids": [], "logprobs": [],
+                             "env_mask": [], "reward": 0.0, "turns": 0, "done": False, "finish_reason": "stop"})
     for turn in range(max_turns):
         active = [e for e in episodes if not e["done"]]
         if not active:

@@ -7,8 +7,9 @@ The engines generate ahead in chunks of at most --partial_chunk_tokens new token
 thread of the driver, so that "cut at the step boundary" is "stop after the current chunk". A sample under way goes
 on as a new request whose prompt is the prompt and the tokens sampled so far (token ids, never text), under whatever
 weights the engines hold then; an image prompt's request carries its images, its placeholders followed by the tokens
-(common/vlm.py `continued`), so that vLLM goes on reading the image the sample started from. The old log-probs and the decoupled-PPO weights of ppo_ray.py's experience already
-work token by token against vLLM's log-probs, so a sample whose tokens come from two policies is corrected for each.
+(common/vlm.py `continued`), so that vLLM goes on reading the image the sample started from. The old log-probs and
+the decoupled-PPO weights of ppo_ray.py's experience already work token by token against vLLM's log-probs, so a
+sample whose tokens come from two policies is corrected for each.
 
 The pool holds the prompts of up to max(1, --max_staleness) rollout steps (pool_capacity; Rollouts.fill_pool in
 common/rollout.py draws them, each step's with its own seeds), all generated at once. A step, after the weight sync

@@ -545,7 +545,8 @@ def engine_prompts(prompts: list[dict]) -> tuple[list[list[int]], list[list] | N
 def experience_images(pretrain: str, prompts: list[dict], samples: list[list[dict]]) -> dict[str, torch.Tensor]:
     """The forward's image tensors for ppo_ray.py's experience, one row per response in build_batch's order (each
     response sees its prompt's images, or an --agent_fn episode the images its requests carried), every tensor (rows,
-    ...) so that the batch is cut by rows like the others; {} without images. A processor whose tensors are not per row (Qwen-VL's patches of all images in one) is refused."""
+    ...) so that the batch is cut by rows like the others; {} without images. A processor whose tensors are not per
+    row (Qwen-VL's patches of all images in one) is refused."""
     rows = [s.get("images", p.get("images", [])) for p, group in zip(prompts, samples) for s in group]
     if not any(rows):
         return {}

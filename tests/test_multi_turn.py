@@ -109,7 +109,8 @@ def test_each_turn_s_experts_are_kept_for_the_tokens_it_fed_first():
     def generate(requests, limits):  # each turn routes every token it feeds to "expert" = the turn's number
         outs = scripted(requests, limits)
         for request, out in zip(requests, outs):
-            out["routes"] = np.full((len(request["ids"]) + len(out["token_ids"]) - 1, 1, 1), len(calls) - 1, dtype=np.int16)
+            fed = len(request["ids"]) + len(out["token_ids"]) - 1
+            out["routes"] = np.full((fed, 1, 1), len(calls) - 1, dtype=np.int16)
         return outs
 
     [[e]] = run_episodes(generate, make_env, tokenizer, [prompt], 1, max_turns=4, max_len=64, chat_template=False,
