@@ -209,7 +209,7 @@ def run_agent(base_url, prompt, label):
         answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
         text = answer.choices[0].message.content
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Look again."}]
-        reward += len(text)
+        reward += len(text) / 10  # within --reward_clip 10, so that every group has a spread
     return reward
 '''
 
@@ -253,8 +253,10 @@ def episodes_grpo(tiny_vlm: str, image_task: dict, tmp_path, flag: str, function
 
 def assert_vllm_follows_over_two_turns(rows: list[dict]):
     diffs = [row["vllm/logprob_diff"] for row in rows]
-    print(f"vllm/logprob_diff {diffs}, env/turns {[row['env/turns'] for row in rows]}")
+    print(f"vllm/logprob_diff {diffs}, env/turns {[row['env/turns'] for row in rows]}, "
+          f"objective/kl {[row['objective/kl'] for row in rows]}")
     assert len(diffs) == 3 and max(diffs) < ROUNDING_LEVEL, f"vLLM drifts from the trainer: {diffs}"
+    assert abs(rows[-1]["objective/kl"]) > 1e-4  # the updates moved the policy: the syncs had something to send
     assert all(row["env/turns"] > 1.5 for row in rows)  # most episodes' second turn asked with the image again
     assert all(row["env/failed_episodes"] == 0 for row in rows)
 
@@ -282,7 +284,8 @@ def test_grpo_with_partial_rollouts_on_image_prompts_continues_cut_samples_with_
     one version old show the update since (vllm/logprob_diff averages both)."""
     out = str(tmp_path / "ppo")
     rows = grpo(tiny_vlm, image_task, out, "--generate_max_len", "24", "--async_rollouts", "--partial_rollouts",
-                "--max_staleness", "1", "--partial_chunk_tokens", "2")
+                "--max_staleness", "1", "--partial_chunk_tokens", "2",
+                "--reward_clip", "1000")  # the default 10 clips most lengths: a group without a spread, no update
     fresh = [row.get("partial/logprob_diff_0") for row in rows]  # None: the step's tokens were all sampled ahead
     print(f"partial/logprob_diff_0 {fresh}, partial/continued {[row['partial/continued'] for row in rows]}, "
           f"partial/logprob_diff_1 {[row.get('partial/logprob_diff_1') for row in rows]}, "
