@@ -115,7 +115,7 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
     sequence's `ids`, and an image prompt's engine ids and images), a dict with token_ids, logprobs and
     finish_reason. `max_len` bounds each episode's tokens after the prompt, the environment's included; `timeout`
     each call of the environment's reset and step (--reward_timeout); `placeholders`: a vision-language model's
-    image placeholder tokens, which no reply may hold (vlm.placeholder_token_ids).
+    image placeholder tokens (vlm.image_token_id), which no reply may hold.
     """
     episodes = []
     for prompt in prompts:
