@@ -26,6 +26,15 @@ the text around it (Qwen's and Hermes' "<tool_call>" ... "</tool_call>", or a ba
 it) is looked for in each answer; what parses comes back as the answer's `tool_calls`. Each answer also carries the
 ids (`prompt_token_ids`, and its choice's `token_ids`), which is what the episode recorded.
 
+A vision-language policy's agent gets its prompt as the row wrote it (chat messages with image parts) and sends its
+image parts on as they are ({"type": "image", "image": ...}, or OpenAI's {"type": "image_url", "image_url": {"url":
+...}} with the same value): a request's images are its prompt's, found by that value, and one naming any other image
+is refused. The first request's rendering holds one placeholder per image part, which vLLM gets with the images and
+expands itself, while the episode records the ids expanded as the processor expands them (common/vlm.py
+`image_request`), what the trainer scores; every later request of the episode carries the same images. The
+messages after the first request (tools' results, the user's replies) stay text: an image part or an image
+placeholder token among them is refused in one sentence.
+
 An agent that raises, does not return within --agent_timeout seconds, or returns anything but a finite number fails
 its episode only: it is counted (env/failed_episodes) and the rollout says why once; none of its tokens is trained
 on, which also leaves it out of its group's baseline (as --overlong_filter's responses are), and its reward is its
@@ -48,6 +57,7 @@ from common import rewards
 from common.args import UserError
 from common.data import SENTINEL, DataError, chat_text, decode_response, end_of_turn_token
 from common.multi_turn import continuation_ids, is_added_token
+from common.vlm import check_text_tokens, continued, image_request, image_token_id, prompt_images_named
 
 PROBE_NAME, PROBE_ARGUMENTS = "probe_tool", {"probe_argument": "probe value"}  # a call no model writes by itself
 
@@ -65,10 +75,27 @@ def text_of(content) -> str:
     return content or ""
 
 
-def template_message(message: dict) -> dict:
-    """An OpenAI message as chat templates take it: text content, and each tool call's arguments as a dict (OpenAI
-    sends a JSON string, which a template's `tojson` would quote once more)."""
-    out = {"role": message.get("role"), "content": text_of(message.get("content"))}
+def image_name(part) -> str | None:
+    """The image a content part names (a path or base64, as the prompt's row wrote it), None for a part of text."""
+    if not isinstance(part, dict):
+        return None
+    if part.get("type") == "image":
+        return str(part.get("image", part.get("path")))
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        return str(url.get("url") if isinstance(url, dict) else url)
+    return None
+
+
+def template_message(message: dict, images: bool = False) -> dict:
+    """An OpenAI message as chat templates take it: text content (with `images`, a list of text and {"type": "image"}
+    parts where it holds images, as a vision-language model's template renders them), and each tool call's arguments
+    as a dict (OpenAI sends a JSON string, which a template's `tojson` would quote once more)."""
+    content = message.get("content")
+    out = {"role": message.get("role"), "content": text_of(content)}
+    if images and isinstance(content, list) and any(image_name(part) for part in content):
+        out["content"] = [{"type": "image"} if image_name(part) else {"type": "text", "text": part.get("text", "")}
+                          for part in content if isinstance(part, dict)]
     calls = [call.get("function", call) for call in message.get("tool_calls") or []]
     if calls:
         out["tool_calls"] = [{"type": "function", "function": {"name": c.get("name"), "arguments": arguments(c)}}
@@ -93,8 +120,10 @@ def arguments(call: dict) -> dict:
 def same_messages(a: list[dict], b: list[dict]) -> bool:
     """Whether two conversations say the same (role, text, tool calls), whatever else a client adds to a message."""
     def key(m):
+        images = [image_name(part) for part in m.get("content") or [] if image_name(part)] if isinstance(
+            m.get("content"), list) else []
         m = template_message(m)
-        return m["role"], m["content"].strip(), json.dumps(m.get("tool_calls", []), sort_keys=True)
+        return m["role"], m["content"].strip(), json.dumps(m.get("tool_calls", []), sort_keys=True), images
 
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
 
@@ -158,6 +187,7 @@ class Episode:
     def __init__(self, index: int, prompt: dict):
         self.index, self.prompt, self.lock = index, prompt, threading.Lock()
         self.messages: list[dict] = []  # the conversation so far: the last request's messages and the answer
+        self.start = None  # the request the sequence starts from (vlm.continued), set by the first
         self.prompt_ids, self.token_ids, self.logprobs, self.env_mask = [], [], [], []
         self.requests, self.restarts, self.full, self.closed = 0, 0, False, False
         self.finish_reason, self.reward, self.error = "stop", None, None
@@ -166,6 +196,7 @@ class Episode:
         trained = self.env_mask if self.error is None else [0] * len(self.env_mask)  # a failed one: none of it
         return {"prompt_ids": self.prompt_ids or self.prompt["ids"], "token_ids": self.token_ids,
                 "logprobs": self.logprobs, "env_mask": trained,
+                "images": (self.start or self.prompt).get("images", []),  # what the trainer's forward reads
                 "reward": self.reward, "turns": self.requests, "finish_reason": self.finish_reason,
                 "failed": self.error is not None}
 
@@ -177,9 +208,9 @@ class Batcher:
         self.generate, self.waiting, self.failure = generate, queue.Queue(), None
         threading.Thread(target=self.serve, name="agent endpoint: batcher", daemon=True).start()
 
-    def ask(self, ids: list[int], limit: int, seed: int | None) -> dict:
+    def ask(self, request: dict, limit: int, seed: int | None) -> dict:
         done, answer = threading.Event(), {}
-        self.waiting.put((ids, limit, seed, done, answer))
+        self.waiting.put((request, limit, seed, done, answer))
         done.wait()
         if "out" not in answer:
             raise RuntimeError("the vLLM engines failed while sampling for the agents")
@@ -213,12 +244,14 @@ class Batcher:
 
 
 class AgentEndpoint:
-    """The OpenAI-compatible server for one run. `generate(ids_list, limits, seeds)` samples one continuation of each
-    (common/vllm_engine.py's layout); `max_len` bounds an episode's tokens after its first prompt as
-    --generate_max_len does, `prompt_max_len` its first prompt."""
+    """The OpenAI-compatible server for one run. `generate(requests, limits, seeds)` samples one continuation of each
+    request (common/vlm.py `continued`; common/vllm_engine.py's layout); `max_len` bounds an episode's tokens after
+    its first prompt as --generate_max_len does, `prompt_max_len` its first prompt. `processor`: a vision-language
+    policy's, which expands its requests' images (None for a text policy)."""
 
-    def __init__(self, tokenizer, max_len: int, prompt_max_len: int, timeout: float):
+    def __init__(self, tokenizer, max_len: int, prompt_max_len: int, timeout: float, processor=None):
         self.tokenizer, self.max_len, self.prompt_max_len, self.timeout = tokenizer, max_len, prompt_max_len, timeout
+        self.processor = processor
         self.episodes: dict[str, Episode] = {}
         self.batcher, self.seed_of = None, None
         handler = type("Handler", (EndpointHandler,), {"endpoint": self})
@@ -298,7 +331,8 @@ class AgentEndpoint:
             raise UserError("the request sends tools but the policy's chat template writes no tool calls; give the "
                             "model a template that renders them (Qwen's, Llama 3.1's), or send no tools")
         with episode.lock:
-            prompt, continues = self.prompt_ids(episode, messages, tools)
+            request, continues = self.request(episode, messages, tools)
+            prompt = request["ids"]  # what the trainer scores (an image prompt's expanded)
             limit = self.max_len - (len(prompt) - len(episode.prompt_ids) if continues else 0)
             asked = body.get("max_completion_tokens") or body.get("max_tokens")
             limit = min(limit, int(asked)) if asked else limit
@@ -306,10 +340,11 @@ class AgentEndpoint:
                 episode.full, episode.finish_reason = True, "length"
                 return self.answer(prompt, {"token_ids": [], "logprobs": [], "finish_reason": "length"}, tools)
             seed = self.seed_of(episode.index, episode.requests) if self.seed_of else None
-            out = self.batcher.ask(prompt, limit, seed)
+            out = self.batcher.ask(request, limit, seed)
             if episode.closed:
                 raise UserError("the episode ended (--agent_timeout) while this request was sampled")
             if not continues:
+                episode.start = request
                 episode.prompt_ids, episode.token_ids, episode.logprobs, episode.env_mask = prompt, [], [], []
                 episode.full = False
             else:
@@ -327,26 +362,39 @@ class AgentEndpoint:
             episode.messages = [*messages, response["choices"][0]["message"]]
             return response
 
-    def prompt_ids(self, episode: Episode, messages: list[dict], tools) -> tuple[list[int], bool]:
-        """The request's prompt as ids, and whether it continues the episode's sequence: the ids so far plus the
-        new messages' rendering, or else the whole conversation rendered (a first request, or an edited history)."""
+    def request(self, episode: Episode, messages: list[dict], tools) -> tuple[dict, bool]:
+        """The request's prompt (vlm.continued's layout: `ids`, and with images `engine_ids` and `images`), and
+        whether it continues the episode's sequence: the ids so far plus the new messages' rendering, or else the
+        whole conversation rendered (a first request, or an edited history)."""
         known = episode.messages
         if known and len(messages) > len(known) and same_messages(messages[:len(known)], known):
             last = episode.token_ids[-1] if episode.token_ids else None
             closed_by = (self.tokenizer.convert_ids_to_tokens(last) if last is not None
                          and episode.finish_reason == "stop" and is_added_token(self.tokenizer, last) else None)
             new = [template_message(m) for m in messages[len(known):]]
-            return episode.prompt_ids + episode.token_ids + continuation_ids(self.tokenizer, new, closed_by,
-                                                                             tools), True
+            added = continuation_ids(self.tokenizer, new, closed_by, tools)
+            if self.processor:  # the images are the first request's: what comes after is text
+                if any(image_name(part) for m in messages[len(known):] if isinstance(m.get("content"), list)
+                       for part in m["content"]):
+                    raise UserError("the agent's request adds an image after its first request, and an episode's "
+                                    "images are its first request's; send later messages as text")
+                check_text_tokens(added, [image_token_id(self.processor)], "the agent's later message")
+            return continued(episode.start, episode.token_ids + added), True
         if known:
             episode.restarts += 1
-        text = chat_text(self.tokenizer, [template_message(m) for m in messages], add_generation_prompt=True,
-                         **({"tools": tools} if tools else {}))
+        text = chat_text(self.tokenizer, [template_message(m, bool(self.processor)) for m in messages],
+                         add_generation_prompt=True, **({"tools": tools} if tools else {}))
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > self.prompt_max_len:
-            raise UserError(f"the agent's first request is {len(ids)} tokens, over --prompt_max_len "
+        request = {"ids": ids}
+        if self.processor:  # the prompt's images the request names, each placeholder expanded for the trainer
+            names = [image_name(part) for m in messages if isinstance(m.get("content"), list)
+                     for part in m["content"] if image_name(part)]
+            request = image_request(self.processor, ids, prompt_images_named(episode.prompt, names),
+                                    "the agent's rendered request")
+        if len(request["ids"]) > self.prompt_max_len:
+            raise UserError(f"the agent's first request is {len(request['ids'])} tokens, over --prompt_max_len "
                             f"{self.prompt_max_len}; raise it or send a shorter conversation")
-        return ids, False
+        return request, False
 
     def answer(self, prompt: list[int], out: dict, tools) -> dict:
         """OpenAI's chat.completion for one sample, with the ids the episode recorded."""

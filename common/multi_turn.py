@@ -17,12 +17,19 @@ Only the policy's own tokens are trained on: each episode carries an `env_mask`,
 trainer scores exactly the tokens the policy chose; only the environment's replies are tokenized. With a chat
 template a reply becomes a user turn, rendered by the template itself (`reply_ids`); without one, its text is
 appended as it is, and the environment formats it.
+
+A vision-language policy's episode starts from its image prompt: reset and step get the prompt as its row wrote it
+(the chat messages, image parts included), every turn's request gives vLLM the prompt's placeholders and images
+followed by the episode's tokens (common/vlm.py `continued`), and the trainer scores the expanded prompt followed by
+the same tokens. The replies stay text: one that holds an image placeholder token stops the run in one sentence, as
+does a reset() that returns a first message for an image prompt (the episode would lose its images).
 """
 
 from common import routing_replay
 from common.args import UserError
 from common.deadlines import REWARD_TIMEOUT_S, call_within
 from common.data import SENTINEL, chat_text, decode_response, render_prompt  # SENTINEL: where a turn ends
+from common.vlm import check_text_tokens, continued
 
 
 def reply_ids(tokenizer, reply: str, chat_template: bool, closed_by: str | None) -> list[int]:
@@ -56,22 +63,26 @@ def is_added_token(tokenizer, token_id: int) -> bool:
     return token_id in tokenizer.all_special_ids or token_id in tokenizer.added_tokens_decoder
 
 
-def first_ids(tokenizer, env, prompt: dict, chat_template: bool, input_template: str | None,
-              prompt_max_len: int, timeout: float = REWARD_TIMEOUT_S) -> list[int]:
-    """The episode's start: reset's first message rendered as a prompt, or the prompt's own ids when it gives None.
-    A reset that takes more than `timeout` seconds stops the run (common/deadlines.py)."""
+def first_request(tokenizer, env, prompt: dict, chat_template: bool, input_template: str | None,
+                  prompt_max_len: int, timeout: float = REWARD_TIMEOUT_S) -> dict:
+    """The episode's start, as a request (`ids`, and an image prompt's `engine_ids` and `images`): reset's first
+    message rendered as a prompt, or the prompt itself when it gives None. A reset that takes more than `timeout`
+    seconds stops the run (common/deadlines.py)."""
     first = call_within(timeout, "the environment's reset()", "--reward_timeout", env.reset, prompt["prompt"],
                         prompt["label"])
     if first is None:
-        return prompt["ids"]
+        return prompt
     if not isinstance(first, str):
         raise UserError(f"the environment's reset() returned {type(first).__name__}; it must return the first "
                         f"message as a string, or None to start from the prompt itself.")
+    if prompt.get("images"):
+        raise UserError("the environment's reset() returned a first message for a prompt with images, which would "
+                        "start the episode without them; return None to start from the prompt and its images.")
     ids = tokenizer(render_prompt(tokenizer, first, chat_template, input_template), add_special_tokens=False)
     if len(ids["input_ids"]) > prompt_max_len:
         raise UserError(f"the environment's first message is {len(ids['input_ids'])} tokens, over --prompt_max_len "
                         f"{prompt_max_len}; raise it or shorten the message.")
-    return ids["input_ids"]
+    return {"ids": ids["input_ids"]}
 
 
 def checked_step(env, action_text: str, timeout: float = REWARD_TIMEOUT_S) -> tuple[str, float, bool]:
@@ -96,26 +107,28 @@ def checked_step(env, action_text: str, timeout: float = REWARD_TIMEOUT_S) -> tu
 
 def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max_turns: int, max_len: int,
                  chat_template: bool, input_template: str | None, prompt_max_len: int,
-                 timeout: float = REWARD_TIMEOUT_S) -> list[list[dict]]:
+                 timeout: float = REWARD_TIMEOUT_S, placeholders: list[int] = ()) -> list[list[dict]]:
     """`n` episodes per prompt, all advanced a turn at a time together; returns samples[prompt][episode] laid out
     as vllm_engine.generate's, plus `prompt_ids` (the episode's start), `env_mask`, `reward` (summed) and `turns`.
 
-    `generate(ids_list, max_tokens_list)` samples one continuation of each sequence (a dict with token_ids, logprobs
-    and finish_reason). `max_len` bounds each episode's tokens after the prompt, the environment's included;
-    `timeout` each call of the environment's reset and step (--reward_timeout).
+    `generate(requests, max_tokens_list)` samples one continuation of each request (common/vlm.py `continued`: the
+    sequence's `ids`, and an image prompt's engine ids and images), a dict with token_ids, logprobs and
+    finish_reason. `max_len` bounds each episode's tokens after the prompt, the environment's included; `timeout`
+    each call of the environment's reset and step (--reward_timeout); `placeholders`: a vision-language model's
+    image placeholder tokens (vlm.image_token_id), which no reply may hold.
     """
     episodes = []
     for prompt in prompts:
         for _ in range(n):
             env = make_env()
-            start = first_ids(tokenizer, env, prompt, chat_template, input_template, prompt_max_len, timeout)
-            episodes.append({"env": env, "prompt_ids": start, "token_ids": [], "logprobs": [], "env_mask": [],
-                             "reward": 0.0, "turns": 0, "done": False, "finish_reason": "stop"})
+            start = first_request(tokenizer, env, prompt, chat_template, input_template, prompt_max_len, timeout)
+            episodes.append({"env": env, "start": start, "prompt_ids": start["ids"], "token_ids": [], "logprobs": [],
+                             "env_mask": [], "reward": 0.0, "turns": 0, "done": False, "finish_reason": "stop"})
     for turn in range(max_turns):
         active = [e for e in episodes if not e["done"]]
         if not active:
             break
-        outs = generate([e["prompt_ids"] + e["token_ids"] for e in active],
+        outs = generate([continued(e["start"], e["token_ids"]) for e in active],
                         [max_len - len(e["token_ids"]) for e in active])
         for e, out in zip(active, outs):
             tokens, before = out["token_ids"], e["prompt_ids"] + e["token_ids"]
@@ -134,6 +147,7 @@ def run_episodes(generate, make_env, tokenizer, prompts: list[dict], n: int, max
             closed_by = (tokenizer.convert_ids_to_tokens(tokens[-1]) if tokens and out["finish_reason"] == "stop"
                          and is_added_token(tokenizer, tokens[-1]) else None)
             more = reply_ids(tokenizer, reply, chat_template, closed_by)
+            check_text_tokens(more, placeholders, f"the environment's step() reply {reply[:60]!r}")
             if len(e["token_ids"]) + len(more) >= max_len:  # no room for the reply and a turn after it
                 e["done"], e["finish_reason"] = True, "length"
                 continue

@@ -6,8 +6,10 @@ than --max_staleness versions older than the policy a step trains reaches that s
 The engines generate ahead in chunks of at most --partial_chunk_tokens new tokens, one engine call a chunk from a
 thread of the driver, so that "cut at the step boundary" is "stop after the current chunk". A sample under way goes
 on as a new request whose prompt is the prompt and the tokens sampled so far (token ids, never text), under whatever
-weights the engines hold then. The old log-probs and the decoupled-PPO weights of ppo_ray.py's experience already
-work token by token against vLLM's log-probs, so a sample whose tokens come from two policies is corrected for each.
+weights the engines hold then; an image prompt's request carries its images, its placeholders followed by the tokens
+(common/vlm.py `continued`), so that vLLM goes on reading the image the sample started from. The old log-probs and
+the decoupled-PPO weights of ppo_ray.py's experience already work token by token against vLLM's log-probs, so a
+sample whose tokens come from two policies is corrected for each.
 
 The pool holds the prompts of up to max(1, --max_staleness) rollout steps (pool_capacity; Rollouts.fill_pool in
 common/rollout.py draws them, each step's with its own seeds), all generated at once. A step, after the weight sync
@@ -28,6 +30,7 @@ import hashlib
 import threading
 
 from common.vllm_engine import collect, start_generate
+from common.vlm import continued, engine_prompts
 
 
 def staleness_bound(args) -> int:
@@ -70,12 +73,13 @@ class Group:
         return all(s["finish_reason"] for s in self.samples)
 
     def requests(self, limit) -> list[tuple]:
-        """(prompt ids, samples, max tokens, seed, the sample indices it answers) for each request that goes on with
-        this group: one n-sample request while nothing is generated, as the synchronous loop asks it, else one for
-        each unfinished sample. `limit(tokens so far)` is a request's max tokens."""
+        """(request, samples, max tokens, seed, the sample indices it answers) for each request that goes on with
+        this group, the request the prompt and a sample's tokens so far (vlm.continued): one n-sample request while
+        nothing is generated, as the synchronous loop asks it, else one for each unfinished sample. `limit(tokens so
+        far)` is a request's max tokens."""
         if not any(s["token_ids"] for s in self.samples):
-            return [(self.prompt["ids"], len(self.samples), limit(0), self.seed, range(len(self.samples)))]
-        return [(self.prompt["ids"] + s["token_ids"], 1, limit(len(s["token_ids"])),
+            return [(continued(self.prompt, []), len(self.samples), limit(0), self.seed, range(len(self.samples)))]
+        return [(continued(self.prompt, s["token_ids"]), 1, limit(len(s["token_ids"])),
                  continuation_seed(self.seed, j, len(s["token_ids"])), [j])
                 for j, s in enumerate(self.samples) if not s["finish_reason"]]
 
@@ -101,9 +105,10 @@ class PartialRollouts:
         requests = [(g, r) for g in groups for r in g.requests(lambda done: min(chunk or max_len, max_len - done))]
         if not requests:
             return False
-        ids, n, limits, seeds, _ = zip(*(r for _, r in requests))
-        answers = collect(self.engines, start_generate(self.engines, list(ids), list(n), self.args.temperature,
-                                                       self.args.top_p, list(limits), list(seeds)))
+        asked, n, limits, seeds, _ = zip(*(r for _, r in requests))
+        ids, images = engine_prompts(asked)
+        answers = collect(self.engines, start_generate(self.engines, ids, list(n), self.args.temperature,
+                                                       self.args.top_p, list(limits), list(seeds), images))
         for (group, (*_, indices)), outs in zip(requests, answers):
             for j, out in zip(indices, outs):
                 sample = group.samples[j]

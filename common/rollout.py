@@ -20,7 +20,7 @@ from common.agents import AgentEndpoint, agent_function
 from common.logging_utils import timed
 from common.partial_rollouts import PartialRollouts
 from common.vllm_engine import collect, generate, start_generate, wait_for
-from common.vlm import engine_prompts
+from common.vlm import engine_prompts, image_token_id, policy_processor
 
 
 def step_prompts(args, prompts: list[dict], step: int) -> list[dict]:
@@ -82,7 +82,9 @@ class Rollouts:
         self.partial = PartialRollouts(args, cluster.engines) if args.partial_rollouts else None
         self.draws = start_step  # --partial_rollouts: the rollout steps whose prompts joined its pool so far
         self.ahead = self.start(start_step) if args.async_rollouts and not self.partial else None
-        self.agents = (AgentEndpoint(tokenizer, args.generate_max_len, args.prompt_max_len, args.agent_timeout)
+        self.processor = policy_processor(args.pretrain)  # a vision-language policy's: its requests carry images
+        self.agents = (AgentEndpoint(tokenizer, args.generate_max_len, args.prompt_max_len, args.agent_timeout,
+                                     self.processor)
                        if args.agent_fn else None)  # --agent_fn's OpenAI-compatible endpoint (common/agents.py)
 
     def next(self, step: int, timings: dict) -> tuple[list[dict], list[list[dict]], tuple | None]:
@@ -164,20 +166,24 @@ class Rollouts:
         `seeded`: the (step, stream) of sample_seeds (None: greedy)."""
         args, cluster = self.args, self.cluster
         cluster.sleep.before_generate()
+
+        def one_request(requests: list[dict], limits: list[int], seeds: list[int] | None) -> list[dict]:
+            ids, images = engine_prompts(requests)  # an image prompt's placeholders, with its images
+            return [s[0] for s in generate(cluster.engines, ids, 1, temperature, args.top_p, limits, seeds, images)]
+
         if args.env_fn:
             turns = iter(range(args.max_turns))
 
-            def one_turn(ids: list[list[int]], limits: list[int]) -> list[dict]:
-                seeds = sample_seeds(args, seeded[0], f"{seeded[1]}turn{next(turns)}", len(ids)) if seeded else None
-                return [s[0] for s in generate(cluster.engines, ids, 1, temperature, args.top_p, limits, seeds)]
+            def one_turn(requests: list[dict], limits: list[int]) -> list[dict]:
+                seeds = (sample_seeds(args, seeded[0], f"{seeded[1]}turn{next(turns)}", len(requests)) if seeded
+                         else None)
+                return one_request(requests, limits, seeds)
 
             samples = multi_turn.run_episodes(one_turn, env_factory(args.env_fn), self.tokenizer, prompts, n,
                                               args.max_turns, args.generate_max_len, args.apply_chat_template,
-                                              args.input_template, args.prompt_max_len, args.reward_timeout)
+                                              args.input_template, args.prompt_max_len, args.reward_timeout,
+                                              [image_token_id(self.processor)] if self.processor else [])
         elif args.agent_fn:
-            def one_request(ids: list[list[int]], limits: list[int], seeds: list[int] | None) -> list[dict]:
-                return [s[0] for s in generate(cluster.engines, ids, 1, temperature, args.top_p, limits, seeds)]
-
             def seed_of(episode: int, request: int) -> int:
                 return sample_seeds(args, seeded[0], f"{seeded[1]}agent{episode}/{request}", 1)[0]
 

@@ -578,13 +578,18 @@ def cached_processor(path: str):
     return load_processor(path)
 
 
+def policy_processor(pretrain: str):
+    """The processor of a vision-language --pretrain (cached_processor), None for a text model."""
+    return cached_processor(pretrain) if is_vision_language(pretrain) else None
+
+
 def prompt_processor(args, rows: list[dict], source: str):
     """The processor that reads ppo_ray.py's prompt images: the --pretrain's for a vision-language model, None for a
     text model, which is refused rows with images."""
-    if is_vision_language(args.pretrain):
-        return cached_processor(args.pretrain)
-    check_takes_images(rows, args.input_key, source, args.pretrain)
-    return None
+    processor = policy_processor(args.pretrain)
+    if processor is None:
+        check_takes_images(rows, args.input_key, source, args.pretrain)
+    return processor
 
 
 def with_images(entry: dict, processor, source: str) -> dict:
@@ -593,16 +598,66 @@ def with_images(entry: dict, processor, source: str) -> dict:
     and `ids` expanded as the processor expands each placeholder, the tokens vLLM returns and the trainer scores."""
     images = split_images(as_messages(entry["prompt"]), dataset_folder(source))[1] if isinstance(
         entry["prompt"], list) else []
-    placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    if entry["ids"].count(placeholder) != len(images):
-        raise DataError(f"the rendered prompt holds {entry['ids'].count(placeholder)} image placeholders "
-                        f"{processor.image_token!r} for {len(images)} image parts; remove that token from the text "
-                        f"(an image goes into the messages as a part, {{\"type\": \"image\", \"image\": path}}, "
-                        f"and the chat template writes its placeholder).")
+    return dict(entry, **image_request(processor, entry["ids"], images, "the rendered prompt"))
+
+
+def image_request(processor, engine_ids: list[int], images: list, what: str) -> dict:
+    """{"ids", "engine_ids", "images"} of a rendered text whose ids (`engine_ids`) hold one placeholder per image:
+    `ids` with each placeholder expanded as the processor expands it for its image. A DataError where the
+    placeholders and the images differ in number (`what` names the text)."""
+    placeholder = image_token_id(processor)
+    if engine_ids.count(placeholder) != len(images):
+        raise DataError(f"{what} holds {engine_ids.count(placeholder)} image placeholders {processor.image_token!r} "
+                        f"for {len(images)} image parts; remove that token from the text (an image goes into the "
+                        f"messages as a part, {{\"type\": \"image\", \"image\": path}}, and the chat template "
+                        f"writes its placeholder).")
     expanded, pending = [], iter(images)
-    for token in entry["ids"]:
+    for token in engine_ids:
         expanded += image_token_ids(processor, next(pending)) if token == placeholder else [token]
-    return dict(entry, ids=expanded, engine_ids=entry["ids"], images=images)
+    return {"ids": expanded, "engine_ids": list(engine_ids), "images": images}
+
+
+def image_token_id(processor) -> int:
+    """The id of the processor's image placeholder (Idefics3's <image>), the model config's image_token_id."""
+    return processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+
+def continued(prompt: dict, tokens: list[int]) -> dict:
+    """The request that goes on from `prompt` with `tokens` after it (a partial sample's tokens so far, an episode's
+    turns and replies): its ids and, for an image prompt, its engine ids each followed by the same tokens, and its
+    images. Every request of an episode or of a continued sample thus gives vLLM the placeholders with the images,
+    which it expands as the trainer's ids are expanded, so that both score the same tokens."""
+    request = {"ids": prompt["ids"] + list(tokens)}
+    if "engine_ids" in prompt:
+        request.update(engine_ids=prompt["engine_ids"] + list(tokens), images=prompt["images"])
+    return request
+
+
+def prompt_images_named(prompt: dict, names: list[str]) -> list:
+    """The images of a ppo_ray.py prompt (read already, with_images) that an --agent_fn request names, in the
+    request's order; each name is an image part's value as the prompt's row wrote it (a path, base64). A name that is
+    none of the prompt's images is refused: a request's images are its prompt's, read when the prompts loaded."""
+    known = {}
+    if isinstance(prompt["prompt"], list):
+        parts = [part for m in as_messages(prompt["prompt"]) if isinstance(m["content"], list)
+                 for part in m["content"] if _is_image_part(part)]
+        known = {str(image_source(part)): image for part, image in zip(parts, prompt["images"])}
+    for name in names:
+        if name not in known:
+            raise UserError(f"the agent's request holds the image {name[:60]!r}, which is none of its prompt's "
+                            f"images; send the prompt's image parts as they were given (a request's images are its "
+                            f"prompt's).")
+    return [known[name] for name in names]
+
+
+def check_text_tokens(tokens: list[int], placeholders: list[int], what: str) -> None:
+    """Refuse text that would put an image placeholder into an episode after its prompt (an environment's reply, an
+    agent's later messages): the model would read an image there that no request carries. `what` names the text."""
+    found = sorted(set(tokens) & set(placeholders))
+    if found:
+        raise UserError(f"{what} holds the image placeholder token {found[0]} (e.g. the text '<image>'), which a "
+                        f"vision-language model reads as an image no request carries; keep replies and later "
+                        f"messages text without it (an episode's images are its prompt's).")
 
 
 def placeholder_token_ids(config) -> list[int]:
@@ -615,17 +670,17 @@ def placeholder_token_ids(config) -> list[int]:
 
 
 def engine_prompts(prompts: list[dict]) -> tuple[list[list[int]], list[list] | None]:
-    """What vLLM is given for these prompts: each one's ids with a placeholder per image, and its images (None for
-    text prompts)."""
+    """What vLLM is given for these prompts (or requests, `continued`): each one's ids with a placeholder per image,
+    and its images (None for text prompts)."""
     ids = [p.get("engine_ids", p["ids"]) for p in prompts]
     return ids, ([p["images"] for p in prompts] if any(p.get("images") for p in prompts) else None)
 
 
 def experience_images(pretrain: str, prompts: list[dict], samples: list[list[dict]]) -> dict[str, torch.Tensor]:
     """The forward's image tensors for ppo_ray.py's experience, one row per response in build_batch's order (each
-    response sees its prompt's images), every tensor (rows, ...) so that the batch is cut by rows like the others
-    (per_row_image_inputs); {} without images."""
-    rows = [p.get("images", []) for p, group in zip(prompts, samples) for _ in group]
+    response sees its prompt's images, or an --agent_fn episode the images its requests carried), every tensor (rows,
+    ...) so that the batch is cut by rows like the others (per_row_image_inputs); {} without images."""
+    rows = [s.get("images", p.get("images", [])) for p, group in zip(prompts, samples) for s in group]
     if not any(rows):
         return {}
     return per_row_image_inputs(cached_processor(pretrain), [{"images": images} for images in rows])
@@ -799,8 +854,9 @@ def frozen_tower_names(model) -> set[str]:
 def check_ppo_args(args) -> bool:
     """Refuse ppo_ray.py's flags that cannot apply to a vision-language --pretrain; returns whether it is one. Its
     prompts are chat messages with image parts; reward models and the critic read them only when they are
-    vision-language models too (rm.py's, with sequence_classification_class's head), and the teacher and
-    environments here read text alone."""
+    vision-language models too (rm.py's, with sequence_classification_class's head), the teacher only when its
+    processor reads them as the policy's does. Environments, agents and partial rollouts carry the prompts' images in
+    every request (`continued`)."""
     if not is_vision_language(args.pretrain):
         return False
     critic = args.critic_pretrain or (args.reward_pretrain or [args.pretrain])[0]  # common/placement.py critic_path
@@ -816,9 +872,6 @@ def check_ppo_args(args) -> bool:
                 f"into the very tokens and pixel values its own does (the teacher reads the experience's images as "
                 f"the policy's processor made them), and {args.teacher_pretrain} is not one: give such a teacher, "
                 f"or leave out --teacher_pretrain"),
-               (args.env_fn or args.agent_fn, "takes single-turn prompts here: leave out --env_fn and --agent_fn"),
-               (args.partial_rollouts, "samples each prompt whole, with its images, here: leave out "
-                                       "--partial_rollouts"),
                (args.ptx_data, "takes no --ptx_data here (its pretraining rows hold no images)"),
                (args.lora_rank and not getattr(args, "freeze_vision_tower", True),
                 "trains LoRA adapters on its language model alone, its vision tower frozen: leave out "

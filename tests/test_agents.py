@@ -57,7 +57,8 @@ def scripted_policy(tokenizer, answer, delay: float = 0.0):
     it; records every batch it was given."""
     batches, end_id = [], tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    def generate(ids_list, limits, seeds):
+    def generate(requests, limits, seeds):
+        ids_list = [r["ids"] for r in requests]
         batches.append((ids_list, limits, seeds))
         time.sleep(delay)
         outs = []

@@ -82,8 +82,8 @@ def test_an_environment_that_never_returns_ends_in_one_sentence(hangs, tiny_mode
                 time.sleep(3600)
             return "", 1.0, True
 
-    def policy(ids, limits):  # the turn's tokens: what the environment answers does not depend on them
-        return [{"token_ids": [5, 6], "logprobs": [0.0, 0.0], "finish_reason": "stop"} for _ in ids]
+    def policy(requests, limits):  # the turn's tokens: what the environment answers does not depend on them
+        return [{"token_ids": [5, 6], "logprobs": [0.0, 0.0], "finish_reason": "stop"} for _ in requests]
 
     prompts = [{"prompt": p, "label": y, "ids": [1, 2, 3]} for p, y in zip(PROMPTS, LABELS)]
     start = time.time()

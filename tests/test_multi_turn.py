@@ -25,7 +25,8 @@ def scripted_policy(tokenizer, answers: list[str], truncate_at: int | None = Non
     calls = []
     end_id = tokenizer.convert_tokens_to_ids(end or tokenizer.eos_token)
 
-    def generate(ids_list, limits):
+    def generate(requests, limits):
+        ids_list = [r["ids"] for r in requests]
         calls.append((ids_list, limits))
         turn = len(calls) - 1
         outs = []
@@ -105,10 +106,11 @@ def test_each_turn_s_experts_are_kept_for_the_tokens_it_fed_first():
     prompt = {"prompt": "What is 2+3?", "ids": tokenizer("Q: What is 2+3? A:")["input_ids"], "label": "5"}
     scripted, calls = scripted_policy(tokenizer, ["4", "7", "5"])
 
-    def generate(ids_list, limits):  # each turn routes every token it feeds to "expert" = the turn's number
-        outs = scripted(ids_list, limits)
-        for ids, out in zip(ids_list, outs):
-            out["routes"] = np.full((len(ids) + len(out["token_ids"]) - 1, 1, 1), len(calls) - 1, dtype=np.int16)
+    def generate(requests, limits):  # each turn routes every token it feeds to "expert" = the turn's number
+        outs = scripted(requests, limits)
+        for request, out in zip(requests, outs):
+            fed = len(request["ids"]) + len(out["token_ids"]) - 1
+            out["routes"] = np.full((fed, 1, 1), len(calls) - 1, dtype=np.int16)
         return outs
 
     [[e]] = run_episodes(generate, make_env, tokenizer, [prompt], 1, max_turns=4, max_len=64, chat_template=False,

@@ -23,12 +23,12 @@ def test_a_group_asks_one_request_until_it_has_tokens_then_one_per_unfinished_sa
     """Nothing generated: the synchronous loop's n-sample request with the prompt's seed. Then one request per
     unfinished sample, its prompt the prompt and its tokens so far; a sample emptied again draws from seed + j."""
     group = Group({"ids": [5, 6]}, seed=100, n=3)
-    [(ids, n, limit, seed, indices)] = group.requests(lambda done: 4 - done)
-    assert (ids, n, limit, seed, list(indices)) == ([5, 6], 3, 4, 100, [0, 1, 2])
+    [(request, n, limit, seed, indices)] = group.requests(lambda done: 4 - done)
+    assert (request, n, limit, seed, list(indices)) == ({"ids": [5, 6]}, 3, 4, 100, [0, 1, 2])
     group.samples[0].update(token_ids=[7], finish_reason=None)
     group.samples[1].update(token_ids=[8, 9], finish_reason="stop")
-    assert group.requests(lambda done: 4 - done) == [([5, 6, 7], 1, 3, continuation_seed(100, 0, 1), [0]),
-                                                     ([5, 6], 1, 4, 102, [2])]
+    assert group.requests(lambda done: 4 - done) == [({"ids": [5, 6, 7]}, 1, 3, continuation_seed(100, 0, 1), [0]),
+                                                     ({"ids": [5, 6]}, 1, 4, 102, [2])]
     assert len({continuation_seed(100, 0, 1), continuation_seed(100, 0, 2), continuation_seed(100, 1, 1)}) == 3
 
 

@@ -199,9 +199,7 @@ def test_a_policy_never_samples_an_image_placeholder(tiny_vlm, tiny_model):
     ({"advantage_estimator": "gae", "critic_pretrain": "TEXT"}, "TEXT \\(where the critic starts\\) is a text model"),
     ({"advantage_estimator": "gae", "reward_pretrain": ["TEXT"]}, "--reward_pretrain TEXT is a text model"),
     ({"teacher_pretrain": "t"}, "takes a --teacher_pretrain that is a vision-language model .* t is not one"),
-    ({"env_fn": "e.py:f", "reward_fn": None}, "leave out --env_fn and --agent_fn"),
     ({"ptx_data": "p.jsonl"}, "--ptx_data"),
-    ({"async_rollouts": True, "partial_rollouts": True}, "leave out --partial_rollouts"),
     ({"lora_rank": 8, "freeze_vision_tower": False}, "leave out --freeze_vision_tower false, or --lora_rank"),
 ])
 def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(tiny_vlm, tiny_model, flags, message):
@@ -214,6 +212,8 @@ def test_flags_a_vision_language_policy_cannot_take_are_refused_in_one_sentence(
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, lora_rank=8))  # adapters on the language model, the tower frozen
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, advantage_estimator="gae", reward_pretrain=[tiny_vlm]))
     assert vlm.check_ppo_args(ppo_args(tiny_vlm, packing_samples=True))  # Idefics3's images are per row
+    for flags in ({"env_fn": "e.py:f"}, {"agent_fn": "a.py:f"}, {"async_rollouts": True, "partial_rollouts": True}):
+        assert vlm.check_ppo_args(ppo_args(tiny_vlm, reward_fn=None, **flags))  # their requests carry the images
 
 
 def test_a_processor_whose_images_cannot_be_cut_by_rows_is_refused_before_anything_starts(tiny_vlm, tmp_path,
