@@ -84,18 +84,29 @@ def check_builds_forward_inputs(path: str, flag: str = "--pretrain") -> None:
                         f"family (Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ...).")
 
 
+# What some families' processors make from the text beside the token ids, which these scripts do not build (found by
+# walking every vision-language family of transformers 5.19, tests/test_vlm_families.py): Ernie 4.5-VL's expert
+# routing types, Idefics' (v1) and Kosmos-2's image masks, InstructBLIP's Q-Former prompt.
+TEXT_SIDE_INPUTS = ("moe_mm_token_type_ids", "image_attention_mask", "image_embeds_position_mask", "qformer_input_ids")
+
+
 def forward_inputs_not_built(model_class: type) -> str | None:
     """What a vision-language family's forward reads that neither the image processor nor complete_forward_inputs
-    gives it, in words, or None. Without such an input the model trains and is scored on other attention or
-    positions than it was made for, silently.
+    gives it, in words, or None. Without such an input the model trains and is scored on other attention, positions
+    or routes than it was made for, silently.
     - `token_type_ids`: PaliGemma's processor marks the image and the prompt, which attend both ways.
+    - TEXT_SIDE_INPUTS, which their processors make from the text.
     - rotary positions computed from image inputs other than `image_grid_thw` (MiniCPM-V 4.7's target sizes), which
       complete_forward_inputs does not hand to the family's get_rope_index."""
     from transformers import MODEL_MAPPING
 
-    if "token_type_ids" in inspect.signature(model_class.forward).parameters:
+    forward = inspect.signature(model_class.forward).parameters
+    if "token_type_ids" in forward:
         return ("lets the tokens its processor marks in token_type_ids (the image and the prompt) attend both ways, "
                 "and these scripts compute every token causally")
+    text_side = [name for name in TEXT_SIDE_INPUTS if name in forward]
+    if text_side:
+        return f"reads {text_side[0]}, which its processor makes from the text and these scripts do not build"
     rope = getattr(MODEL_MAPPING.get(model_class.config_class, None), "get_rope_index", None)
     takes = {"mm_token_type_ids", "image_grid_thw", "attention_mask"}
     if rope and not takes <= set(inspect.signature(rope).parameters):

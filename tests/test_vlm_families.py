@@ -242,8 +242,9 @@ def test_every_family_is_taken_with_the_inputs_it_needs_or_refused_in_one_senten
     """complete_forward_inputs relies on what transformers' families with image-dependent rotary positions have in
     common: the backbone's get_rope_index(input_ids, mm_token_type_ids=, image_grid_thw=, attention_mask=) and a
     forward that takes mm_token_type_ids. Every vision-language family transformers 5.19 knows either has that or is
-    refused (forward_inputs_not_built), with PaliGemma's token_type_ids, so that a family breaking the pattern is
-    refused rather than trained on wrong positions or attention."""
+    refused (forward_inputs_not_built), with the families whose processors make other inputs from the text
+    (PaliGemma's token_type_ids, Ernie 4.5-VL's expert routing types, ...), so that a family breaking the pattern is
+    refused rather than trained on wrong positions, attention or routes."""
     taken, refused = [], []
     for model_type, name in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items():
         model_class = getattr(transformers, name, None)
@@ -257,7 +258,7 @@ def test_every_family_is_taken_with_the_inputs_it_needs_or_refused_in_one_senten
         if hasattr(backbone, "get_rope_index"):
             assert "mm_token_type_ids" in inspect.signature(backbone.forward).parameters, model_type
     assert {"idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"} <= set(taken)
-    assert {"paligemma", "minicpmv4_7"} <= set(refused)
+    assert {"paligemma", "minicpmv4_7", "ernie4_5_vl_moe", "idefics", "kosmos-2", "instructblip"} <= set(refused)
 
     PaliGemmaConfig().save_pretrained(tmp_path)
     with pytest.raises(UserError, match=r"^--pretrain .*: a paligemma model lets the tokens its processor marks in "
