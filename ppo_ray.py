@@ -527,6 +527,7 @@ def score(args: Args, cluster, prompts: list[dict], samples: list[list[dict]], t
         scores, sources = rewards.score_responses(model_scores, reward_fn, args.remote_rm_url, weights, texts,
                                                   responses, labels)
         metrics = {f"rewards/{name}": torch.as_tensor(s, dtype=torch.float).mean() for name, s in sources.items()}
+    metrics["objective/reward_clipped"] = (scores.abs() > args.reward_clip).float().mean()  # a clipped group may tie
     scores = scores.clamp(-args.reward_clip, args.reward_clip)
     if overlong and args.overlong_buffer_len:  # by the tokens --generate_max_len bounds (an episode's, the env's too)
         lengths = torch.tensor([len(s["token_ids"]) for s in episodes])

@@ -164,6 +164,10 @@ def test_the_overlong_penalty_counts_the_environments_tokens_as_the_budget_does(
                            generate_max_len=budget, overlong_buffer_len=4, overlong_penalty_factor=1.0)
     scores, metrics = ppo_ray.score(args, None, [prompt], [[e]], tokenizer, None)
     assert scores.tolist() == [0.0] and metrics["rewards/overlong_penalty"].item() == -1.0
+    assert metrics["objective/reward_clipped"].item() == 0.0
+    e["reward"] = 12.5  # past --reward_clip: cut to 10 and counted
+    scores, metrics = ppo_ray.score(args, None, [prompt], [[e]], tokenizer, None)
+    assert scores.tolist() == [9.0] and metrics["objective/reward_clipped"].item() == 1.0
 
 
 @pytest.mark.parametrize("flags", [{"env_fn": "sum_env.py:make_env", "reward_fn": None},
