@@ -239,6 +239,8 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
     inputs that its processor makes from the token ids (common/vlm.py complete_forward_inputs).
     """
     check_model_path(path, flag)
+    # a vision-language model's processor: the tokens of each modality, and a family it cannot serve refused first
+    modality_ids = modality_token_ids(load_processor(path, flag)) if is_vision_language(path) else None
     if model_class is AutoModelForCausalLM and is_vision_language(path):
         model_class = AutoModelForImageTextToText
     elif model_class is AutoModelForSequenceClassification and is_vision_language(path):
@@ -257,8 +259,8 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
             if "attention implementation" not in str(e) or attn == "eager":
                 raise
     model._hf_ds_config = hf_ds_config
-    if is_vision_language(path):
-        complete_forward_inputs(model, modality_token_ids(load_processor(path, flag)))
+    if modality_ids is not None:
+        complete_forward_inputs(model, modality_ids)
     if hf_ds_config is not None:
         gather_expert_blocks_whole(model)
     model.config.use_cache = False

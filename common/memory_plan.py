@@ -135,9 +135,11 @@ def vision_sizes(model) -> dict:
 
     vision = model.config.vision_config
     tower = vision_tower(model)
-    per_patch = vision.num_hidden_layers * (
-        ACTIVATION_BYTES_PER_HIDDEN * vision.hidden_size
-        + ACTIVATION_BYTES_PER_INTERMEDIATE * getattr(vision, "intermediate_size", 4 * vision.hidden_size))
+    # Qwen2-VL's tower names its layers `depth` and its width `embed_dim` (its hidden_size is the merger's output)
+    layers = getattr(vision, "num_hidden_layers", None) or vision.depth
+    width = getattr(vision, "embed_dim", None) or vision.hidden_size
+    intermediate = getattr(vision, "intermediate_size", None) or getattr(vision, "mlp_ratio", 4) * width
+    per_patch = layers * (ACTIVATION_BYTES_PER_HIDDEN * width + ACTIVATION_BYTES_PER_INTERMEDIATE * intermediate)
     return {"vision_params": sum(p.numel() for p in tower.parameters()), "activations_per_patch": per_patch,
             "activations_per_image": per_patch * patches_per_image(None, vision)}
 
@@ -153,11 +155,12 @@ def patches_per_image(folder: str | None, vision) -> int:
         return per_tile
     with open(file) as f:
         settings = json.load(f)
-    size = settings.get("size") or {}
-    if "max_pixels" in settings or "temporal_patch_size" in settings:  # Qwen-VL: any size up to max_pixels
-        return (settings.get("max_pixels") or size["longest_edge"]) // settings.get("patch_size", 14) ** 2
-    if settings.get("do_image_splitting"):
-        side = -(-size["longest_edge"] // settings["max_image_size"]["longest_edge"])
+    size, tile = settings.get("size") or {}, (settings.get("max_image_size") or {}).get("longest_edge")
+    pixels = settings.get("max_pixels") or size.get("longest_edge")
+    if ("max_pixels" in settings or "temporal_patch_size" in settings) and pixels:  # Qwen-VL: up to max_pixels
+        return pixels // settings.get("patch_size", 14) ** 2
+    if settings.get("do_image_splitting") and tile and size.get("longest_edge"):
+        side = -(-size["longest_edge"] // tile)
         return (side ** 2 + 1) * per_tile
     return per_tile
 

@@ -99,6 +99,26 @@ def test_an_image_counts_as_many_patches_as_its_processor_cuts_it_into(tmp_path,
     assert memory_plan.patches_per_image(str(tmp_path), vision) == patches
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+def test_qwen_vl_and_glm4v_towers_are_planned_by_their_own_names_and_patches(tmp_path, family):
+    """These towers name their layers `depth`, and Qwen2-VL's its width `embed_dim` (its hidden_size is the merger's
+    output): the plan read num_hidden_layers and stopped with an AttributeError on all four. An image counts the
+    patches its processor allows (max_pixels / 14 x 14)."""
+    from test_vlm_families import tiny_config
+
+    config = tiny_config(family)
+    config.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"max_pixels": 112 * 112, "patch_size": 14,
+                                                                    "temporal_patch_size": 2}))
+    sizes = memory_plan.sizes_of(str(tmp_path), "--pretrain")
+    vision = config.vision_config
+    width = getattr(vision, "embed_dim", None) or vision.hidden_size
+    intermediate = getattr(vision, "intermediate_size", None) or 4 * width
+    assert sizes["activations_per_patch"] == vision.depth * (18 * width + 8 * intermediate)
+    assert sizes["activations_per_image"] == 64 * sizes["activations_per_patch"]
+    assert sizes["vision_params"] > 0
+
+
 def test_a_vision_language_reward_model_or_critic_is_the_vlm_with_a_scalar_head_for_its_lm_head():
     """A VLM reward model or critic (common/vlm.py sequence_classification_class, which transformers has no class
     for) is planned as the VLM whose LM head (vocab x hidden) is a one-label score head (hidden), the tower counted."""
