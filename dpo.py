@@ -90,6 +90,8 @@ class Args:
     """keep ZeRO-3 parameters in CPU memory"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    torch_compile: bool = False
+    """compile each repeated block (decoder layer) with torch.compile: a first step that compiles, faster ones after"""
     train_batch_size: int = 32
     """pairs per optimizer step, across all ranks"""
     micro_train_batch_size: int = 8
@@ -378,7 +380,7 @@ def main(args: Args):
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing,
-                       **lora.load_kwargs(args))
+                       torch_compile=args.torch_compile, **lora.load_kwargs(args))
     if processor and args.freeze_vision_tower:
         vlm.freeze_vision_tower(model)
     model = lora.wrap(model, args)  # unchanged without --lora_rank

@@ -95,6 +95,8 @@ class Args:
     """keep ZeRO-3 parameters in CPU memory"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    torch_compile: bool = False
+    """compile each repeated block (decoder layer) with torch.compile: a first step that compiles, faster ones after"""
     train_batch_size: int = 32
     """pairs per optimizer step, across all ranks"""
     micro_train_batch_size: int = 8
@@ -280,7 +282,7 @@ def main(args: Args):
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
     model = load_model(args.pretrain, config, AutoModelForSequenceClassification, args.gradient_checkpointing,
-                       num_labels=1, **lora.load_kwargs(args))
+                       torch_compile=args.torch_compile, num_labels=1, **lora.load_kwargs(args))
     # Set after the model is built: given to from_pretrained, it would become the embeddings' padding_idx, a row that
     # never gets a gradient, and where the EOS was the pad, that is now the BOS every row starts with.
     model.config.pad_token_id = tokenizer.pad_token_id  # transformers' own pooling reads the last non-pad token

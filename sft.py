@@ -70,6 +70,8 @@ class Args:
     """keep ZeRO-3 parameters in CPU memory"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    torch_compile: bool = False
+    """compile each repeated block (decoder layer) with torch.compile: a first step that compiles, faster ones after"""
     train_batch_size: int = 32
     """samples per optimizer step, across all ranks"""
     micro_train_batch_size: int = 8
@@ -231,7 +233,7 @@ def main(args: Args):
                        args.grad_clip, args.offload_optimizer, args.offload_params)
 
     model = load_model(args.pretrain, config, gradient_checkpointing=args.gradient_checkpointing, dropout=True,
-                       **lora.load_kwargs(args))
+                       torch_compile=args.torch_compile, **lora.load_kwargs(args))
     if processor and args.freeze_vision_tower:
         vlm.freeze_vision_tower(model)
     model = lora.wrap(model, args)  # unchanged without --lora_rank
@@ -261,7 +263,9 @@ def main(args: Args):
             engine.backward(loss + aux)
             engine.step()
             real_tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
-            stats += torch.tensor([loss.item(), 1, real_tokens, float(aux)], device=stats.device)
+            # summed on the device: reading a loss here would make the CPU wait for the GPU at every micro-batch
+            stats += torch.stack([loss.detach(), torch.ones_like(loss), torch.as_tensor(real_tokens).to(loss),
+                                  torch.as_tensor(aux).to(loss).detach()])
         dist.all_reduce(stats)
         metrics = {"train/loss": stats[0] / stats[1], "train/lr": lr, "train/epoch": epoch,
                    "perf/tokens_per_sec": stats[2] / (time.time() - start)}

@@ -229,14 +229,15 @@ def load_tokenizer(path: str, flag: str = "--pretrain"):
 
 
 def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradient_checkpointing: bool = False,
-               flag: str = "--pretrain", dropout: bool = False, **kwargs):
+               flag: str = "--pretrain", dropout: bool = False, torch_compile: bool = False, **kwargs):
     """Load a Hugging Face model; under ZeRO-3 it is partitioned while it loads, never whole on one rank.
 
     transformers partitions at load while a HfDeepSpeedConfig object is alive, so it is kept on the model. Dropout is
     off (disable_dropout) unless `dropout`: only SFT trains with the dropout a model's config asks for. A
     vision-language model asked for as a causal LM loads whole, vision tower included, and asked for as a sequence
     classifier with the scalar head of common/vlm.py (transformers has none for it); its backbone completes the
-    inputs that its processor makes from the token ids (common/vlm.py complete_forward_inputs).
+    inputs that its processor makes from the token ids (common/vlm.py complete_forward_inputs). `torch_compile`:
+    compile_blocks.
     """
     check_model_path(path, flag)
     # a vision-language model's processor: the tokens of each modality, and a family it cannot serve refused first
@@ -268,7 +269,35 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
         disable_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if torch_compile:
+        compile_blocks(model, f"{flag} {path}")
     return model
+
+
+def compile_blocks(model, source: str) -> list[str]:
+    """Compile the forward of each of the model's repeated blocks with torch.compile (the classes transformers keeps
+    whole across devices, `_no_split_modules`: its decoder layers, a vision tower's layers); returns the classes.
+
+    Block by block, not the whole model: gradient checkpointing's recomputation and the scripts' own forward hooks
+    stay outside the compiled code, and a padded batch's changing length costs one recompilation, after which the
+    graphs take any length. Under ZeRO-3 each block becomes a leaf, gathered whole by one hook outside its compiled
+    forward: DeepSpeed's hooks on the modules inside it would break its graph into dozens. The blocks of one class share a graph
+    where their forward reads no per-layer setting (the KV cache's layer index is one: the trainers run without a
+    cache); one that does (a hybrid's layer types) gets a graph per kind, so the recompilation limit is raised to
+    the number of blocks, beyond which torch would run the rest uncompiled without an error.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise UserError(f"{source}: --torch_compile compiles a model's repeated blocks, which transformers names in "
+                        f"_no_split_modules, and {type(model).__name__} names none; leave --torch_compile out.")
+    classes = sorted({type(b) for b in blocks}, key=lambda c: c.__name__)
+    if getattr(model, "_hf_ds_config", None) is not None:
+        deepspeed.utils.set_z3_leaf_modules(model, classes)
+    for block in blocks:
+        block.forward = torch.compile(block.forward)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(blocks) + 8)
+    return [c.__name__ for c in classes]
 
 
 def gather_expert_blocks_whole(model) -> list[str]:
