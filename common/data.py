@@ -306,18 +306,26 @@ def check_responses_exclude_prompts(rows: list[dict], input_key: str, response_k
 
 # --------------------------------------------------------------------------------------------------- rendering
 def as_messages(prompt) -> list[dict]:
-    """A prompt given as text becomes one user message; a list of messages is taken as it is, and ShareGPT's
-    {"from", "value"} turns become {"role", "content"} messages (SHAREGPT_ROLES)."""
+    """A prompt given as text becomes one user message; a list of messages is taken as it is, with ShareGPT's
+    {"from", "value"} turns as {"role", "content"} messages (SHAREGPT_ROLES) and a content of text parts alone
+    ([{"type": "text", "text": ...}], OpenAI's) as its text: templates that trim or print a content (Llama-3's) wrote
+    the list's Python repr and trained on it."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "from" in m and "value" in m and
                                                    "role" not in m for m in prompt):
-        return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
-                 **{field: value for field, value in m.items() if field not in ("from", "value")}} for m in prompt]
+        prompt = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
+                   **{field: value for field, value in m.items() if field not in ("from", "value")}} for m in prompt]
     if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        return prompt
+        return [{**m, "content": "".join(part["text"] for part in m["content"])} if _text_parts(m["content"]) else m
+                for m in prompt]
     raise DataError(f"expected text or a list of {{'role', 'content'}} messages (or ShareGPT's {{'from', 'value'}}), "
                     f"got {str(prompt)[:80]!r}.")
+
+
+def _text_parts(content) -> bool:
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content)
 
 
 # ShareGPT's speakers under the roles chat templates take; others (system, tool) keep their names.

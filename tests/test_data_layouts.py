@@ -81,6 +81,10 @@ SFT_LAYOUTS = {
                                        assistant("8")]}],
                         {"input_key": "messages"}, [["Answer with a number.", "What is 2+3?", "And 4+4?"]],
                         [["5", "8"]]),
+    "openai content parts": ([{"messages": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "What is "},
+                                                                                  {"type": "text", "text": "2+3?"}]},
+                                            {"role": "assistant", "content": [{"type": "text", "text": "5"}]}]}],
+                             {"input_key": "messages"}, [["Answer with a number.", "What is 2+3?"]], [["5"]]),
     "trl prompt-completion": ([{"prompt": [SYSTEM, user("What is 2+3?")], "completion": [assistant("5")]}],
                               {"output_key": "completion"}, [["Answer with a number.", "What is 2+3?"]], [["5"]]),
 }
@@ -95,6 +99,17 @@ def test_sft_layouts_train_on_the_assistant_s_replies_alone_and_keep_the_rest_as
     for sample, texts, answers in zip(samples, shown, replies):
         assert all(t in text(tokenizer, sample) for t in texts), text(tokenizer, sample)
         assert trained(tokenizer, sample) == "".join(answer + end for answer in answers)
+
+
+def test_a_content_of_text_parts_is_rendered_as_its_text_where_a_template_prints_any_content():
+    """Llama-3's template trims a message's content: a list of parts became its Python repr, which was trained on."""
+    tokenizer = chatml_with("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rows, flags, _, _ = SFT_LAYOUTS["openai content parts"]
+    (sample,) = sft(tokenizer, rows, **flags)
+    assert text(tokenizer, sample) == ("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\n"
+                                       "What is 2+3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n")
+    assert trained(tokenizer, sample) == "5<|im_end|>"
 
 
 def test_pretraining_text_is_trained_whole(tokenizer):
