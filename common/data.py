@@ -483,12 +483,22 @@ def without_closing_eos(tokenizer, history: str, whole: str) -> str:
     return history[: -len(eos)].rstrip() if whole.startswith(history[: -len(eos)].rstrip()) else history
 
 
+def prompt_messages(prompt) -> list[dict]:
+    """A prompt as the messages a new assistant turn follows. One that ends with the assistant's turn (a whole
+    conversation, as UltraChat's messages are) is refused: the response would be a second reply after the answer."""
+    messages = as_messages(prompt)
+    if messages and messages[-1]["role"] == "assistant":
+        raise DataError("the prompt's conversation ends with an assistant turn, after which the response would be a "
+                        "second reply; end each prompt with the turn the response answers (cut the last reply off).")
+    return messages
+
+
 def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: str | None) -> str:
     """The text a model is asked to continue: used by generation and by every prompt/response pair."""
     check_one_template(apply_chat_template, input_template)
     if apply_chat_template:
         check_chat_template(tokenizer)
-        return chat_text(tokenizer, as_messages(prompt), add_generation_prompt=True)
+        return chat_text(tokenizer, prompt_messages(prompt), add_generation_prompt=True)
     if isinstance(prompt, list):
         raise DataError("a prompt given as a list of messages needs --apply_chat_template.")
     if not isinstance(prompt, str):
@@ -507,7 +517,7 @@ def render_pair(tokenizer, prompt, response: str, apply_chat_template: bool, inp
     span is returned."""
     check_one_template(apply_chat_template, input_template)
     if apply_chat_template:
-        text, spans = render_chat(tokenizer, as_messages(prompt) + [{"role": "assistant", "content": response}])
+        text, spans = render_chat(tokenizer, prompt_messages(prompt) + [{"role": "assistant", "content": response}])
         return text, spans[-1:]
     prompt_text = render_prompt(tokenizer, prompt, False, input_template)
     text = prompt_text + response + tokenizer.eos_token

@@ -245,9 +245,9 @@ PROMPT_LAYOUTS = {
     "gsm8k": ([{"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = 5\n#### 5"}],
               {"input_key": "question", "label_key": "answer", "input_template": "Q: {} A: "},
               ["<bos>Q: Tom has 2 apples and buys 3. How many? A: "], ["2 + 3 = 5\n#### 5"]),
-    "math": ([{"problem": "What is $2+3$?", "solution": "$2+3=\\boxed{5}$"}],
+    "math": ([{"problem": "What is $\\frac{1}{2}+2$?", "solution": "$\\frac{1}{2}+2=\\boxed{\\frac{5}{2}}$"}],
              {"input_key": "problem", "label_key": "solution", "input_template": "Problem: {}\nSolution: "},
-             ["<bos>Problem: What is $2+3$?\nSolution: "], ["$2+3=\\boxed{5}$"]),
+             ["<bos>Problem: What is $\\frac{1}{2}+2$?\nSolution: "], ["$\\frac{1}{2}+2=\\boxed{\\frac{5}{2}}$"]),
     "messages with a system message": ([{"prompt": PROMPT, "label": "5"}, {"prompt": sharegpt(PROMPT)}],
                                        {"apply_chat_template": True},
                                        ["<bos><|system|>\nAnswer with a number.<eos><|user|>\nWhat is 2+3?<eos>"
@@ -263,3 +263,19 @@ def test_prompt_layouts_give_the_rollout_its_prompt_and_the_reward_its_label(lay
     assert [tokenizer.decode(p["ids"]) for p in prompts] == prompt_texts
     assert [p["label"] for p in prompts] == labels
     assert ("1 of 2 prompts have no 'label'" in capsys.readouterr().out) == (None in labels)
+
+
+def test_a_prompt_that_ends_with_the_assistant_s_turn_is_refused_in_every_reader():
+    """UltraChat's messages given as prompts: the rollout (or the pair's, or the completion's reply) was a second
+    assistant turn after the answer."""
+    conversation = [user("What is 2+3?"), assistant("5")]
+    refused = r"sample 0: the prompt's conversation ends with an assistant turn"
+    with pytest.raises(data.DataError, match=refused):
+        data.load_prompts(prompt_args(input_key="messages", apply_chat_template=True), build_tokenizer(),
+                          write_rows([{"messages": conversation}]), "train")
+    with pytest.raises(data.DataError, match=refused):
+        pairs(build_tokenizer(), [{"prompt": conversation, "chosen": "6", "rejected": "7"}])
+    with pytest.raises(data.DataError, match=refused):
+        kto(build_tokenizer(), [{"prompt": conversation, "completion": "6", "label": True}])
+    with pytest.raises(data.DataError, match=refused):
+        sft(build_tokenizer(), [{"prompt": conversation, "response": "6"}])
