@@ -279,7 +279,8 @@ def pair_prompt(row: dict, input_key: str, chosen_key: str, rejected_key: str, i
                             f"(docs/custom_dataset.md shows how).")
         return get_key(row, input_key, index, source)
     chosen, rejected = as_messages(chosen), as_messages(rejected)
-    shared = len(os.path.commonprefix([_turns(chosen), _turns(rejected)]))
+    # the last message of each is its reply, even where the two are the same (a pair skipped as identical)
+    shared = min(len(os.path.commonprefix([_turns(chosen), _turns(rejected)])), len(chosen) - 1, len(rejected) - 1)
     if not shared:
         raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and the "
                         f"conversations under {chosen_key!r} and {rejected_key!r} share no first message to take as "

@@ -191,6 +191,12 @@ def test_pairs_that_differ_before_their_last_turn_are_refused():
             pairs(build_tokenizer(), [row])
 
 
+def test_a_pair_of_the_same_conversation_without_a_prompt_key_is_skipped_as_identical():
+    rows = [PREFERENCE_LAYOUTS["conversations without a prompt key"],
+            {"chosen": PROMPT + [assistant("5")], "rejected": PROMPT + [assistant("5")]}]
+    assert len(pairs(build_tokenizer(), rows)) == 1
+
+
 def test_whole_dialogues_without_a_prompt_are_refused_and_train_once_split():
     """Anthropic's HH-RLHF: chosen and rejected are whole "\\n\\nHuman: ... \\n\\nAssistant: ..." texts."""
     head = "\n\nHuman: What is 2+3?\n\nAssistant:"
