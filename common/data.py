@@ -9,7 +9,9 @@ A sample becomes text plus the character spans the loss is taken on, then tokens
   - `--input_template "Q: {} A: "`: the prompt is formatted into the template, the response follows;
   - neither: prompt and response are concatenated; pretrain mode trains on the whole text.
 Assistant spans are found by rendering each conversation prefix and checking it is a text prefix of the whole,
-which works for any chat template that renders history stably.
+which works for any chat template that renders history stably. Public datasets' layouts are read as they come
+(ShareGPT's turns, OpenAI's text parts, a response given as the assistant's messages, Alpaca's instruction and input
+joined by `--input_key instruction,input`); those that would train on the wrong text are refused in one sentence.
 """
 
 import contextlib
