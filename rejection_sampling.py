@@ -477,6 +477,7 @@ def main(args: Args):
     rows = data.load_records(args.dataset, args.dataset_split)[: args.max_samples or None]
     if not rows:
         raise data.DataError(f"dataset {args.dataset} is empty.")
+    data.check_prompt_parts(rows, args.input_key, (args.label_key,), args.dataset)
     all_prompts = [data.get_key(row, args.input_key, i, args.dataset) for i, row in enumerate(rows)]
     all_images = None  # a vision-language policy's: one list per prompt
     if vlm.is_vision_language(args.pretrain):

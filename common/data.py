@@ -9,7 +9,9 @@ A sample becomes text plus the character spans the loss is taken on, then tokens
   - `--input_template "Q: {} A: "`: the prompt is formatted into the template, the response follows;
   - neither: prompt and response are concatenated; pretrain mode trains on the whole text.
 Assistant spans are found by rendering each conversation prefix and checking it is a text prefix of the whole,
-which works for any chat template that renders history stably.
+which works for any chat template that renders history stably. Public datasets' layouts are read as they come
+(ShareGPT's turns, OpenAI's text parts, a response given as the assistant's messages, Alpaca's instruction and input
+joined by `--input_key instruction,input`); those that would train on the wrong text are refused in one sentence.
 """
 
 import contextlib
@@ -181,13 +183,37 @@ def load_records(source: str, split: str = "train") -> list[dict]:
 
 
 def get_key(row: dict, key: str, index: int, source: str):
-    """row[key], or a DataError that names the key, the sample and the keys that are there."""
+    """row[key], or a DataError that names the key, the sample and the keys that are there. A key of several names
+    ("instruction,input") gives their texts joined by a blank line, empty ones left out (Alpaca's input is often "")."""
+    if key not in row and "," in key:
+        parts = [get_key(row, name.strip(), index, source) for name in key.split(",")]
+        if not all(isinstance(part, str) for part in parts):
+            raise DataError(f"{source}, sample {index}: the keys of {key!r} must all hold texts to join, got "
+                            f"{', '.join(type(part).__name__ for part in parts)}.")
+        return "\n\n".join(part for part in parts if part.strip())
     if key not in row:
         raise DataError(
             f"{source}, sample {index}: no key {key!r}; the keys present are {sorted(row)}. "
             f"Pass the right name with the matching --*_key flag."
         )
     return row[key]
+
+
+# Keys under which public datasets keep a second part of the prompt: Alpaca's "input" (beside "instruction"), Dolly's
+# "context". An --input_key that names only the first would train every such row without it.
+PROMPT_PARTS = ("input", "context")
+
+
+def check_prompt_parts(rows: list[dict], input_key: str, other_keys: tuple[str, ...], source: str) -> None:
+    """A DataError where rows hold text under one of PROMPT_PARTS that no key flag reads."""
+    read = {name.strip() for name in input_key.split(",")} | set(other_keys)
+    for part in PROMPT_PARTS:
+        holding = sum(isinstance(row.get(part), str) and bool(row[part].strip()) for row in rows)
+        if part not in read and holding:
+            raise DataError(f"{source}: {holding} of {len(rows)} rows hold text under {part!r} beside the prompt "
+                            f"under {input_key!r}, which would leave it out (Alpaca's and Dolly's layouts); give "
+                            f"--input_key {input_key},{part} to join the two into the prompt, or drop the "
+                            f"{part!r} column.")
 
 
 def get_labels(rows: list[dict], key: str, source: str, log=print) -> list:
@@ -203,14 +229,65 @@ def get_labels(rows: list[dict], key: str, source: str, log=print) -> list:
 
 
 def get_response(row: dict, key: str, index: int, source: str, input_key: str) -> str:
-    """row[key] as a response text: a string, or a number written as one ("42"). Anything else (a null, a boolean,
-    a list of messages) is a DataError: str() would have trained on the text "None" or "['...']"."""
+    """row[key] as a response text: a string, a number written as one ("42"), or the assistant's reply given as
+    messages (reply_of). Anything else (a null, a boolean, a conversation) is a DataError: str() would have trained on
+    the text "None" or "['...']"."""
     value = get_key(row, key, index, source)
+    if isinstance(value, list):
+        with sample_context(source, index):
+            value = reply_of(value, row.get(input_key), key, input_key)
     if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         return str(value)
-    where = f"; put the conversation before it under {input_key!r}" if isinstance(value, (list, dict)) else ""
+    where = f"; put the conversation before it under {input_key!r}" if isinstance(value, dict) else ""
     raise DataError(f"{source}, sample {index}: {key!r} must be a response text, got {type(value).__name__} "
                     f"{str(value)[:40]!r}{where}.")
+
+
+def reply_of(messages: list, prompt, key: str, input_key: str) -> str:
+    """The text of a response given as messages: the assistant's one reply, alone (TRL's conversational layout) or
+    after a copy of the prompt's messages (UltraFeedback-binarized's chosen and rejected)."""
+    messages = as_messages(messages)
+    if prompt is not None:
+        with contextlib.suppress(DataError):  # a prompt that is no conversation repeats nothing
+            shared = as_messages(prompt)
+            if _turns(messages[: len(shared)]) == _turns(shared):
+                messages = messages[len(shared):]
+    if len(messages) == 1 and messages[0]["role"] == "assistant" and isinstance(messages[0]["content"], str) and \
+            not any(messages[0].get(field) for field in ASSISTANT_OUTPUT_FIELDS):
+        return messages[0]["content"]
+    raise DataError(f"{key!r} holds {len(messages)} messages ({', '.join(m['role'] for m in messages)}) after the "
+                    f"prompt under {input_key!r}, where a response given as messages must be the assistant's one "
+                    f"text reply; put the turns before it under {input_key!r} (pairs that differ before their last "
+                    f"turn are no replies to one prompt: keep only those that differ in the last).")
+
+
+def _turns(messages: list[dict]) -> list[tuple]:
+    """Messages as (role, content): what makes two renderings of a conversation the same."""
+    return [(m["role"], m["content"]) for m in messages]
+
+
+def pair_prompt(row: dict, input_key: str, chosen_key: str, rejected_key: str, index: int, source: str):
+    """A preference pair's prompt: row[input_key], or, where the row has none and both sides are conversations
+    (UltraFeedback-binarized's chosen and rejected without its prompt), the messages they both begin with. Two whole
+    texts without a prompt (Anthropic's HH-RLHF) are refused: where the prompt ends in them is the data's own
+    convention."""
+    chosen, rejected = row.get(chosen_key), row.get(rejected_key)
+    if input_key in row or not (isinstance(chosen, list) and isinstance(rejected, list)):
+        if input_key not in row and isinstance(chosen, str) and isinstance(rejected, str):
+            raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and "
+                            f"{chosen_key!r} and {rejected_key!r} are whole texts (as Anthropic's HH-RLHF stores its "
+                            f"dialogues); split each pair into its prompt, up to the last reply's start, under "
+                            f"{input_key!r} and the two replies under {chosen_key!r} and {rejected_key!r} "
+                            f"(docs/custom_dataset.md shows how).")
+        return get_key(row, input_key, index, source)
+    chosen, rejected = as_messages(chosen), as_messages(rejected)
+    # the last message of each is its reply, even where the two are the same (a pair skipped as identical)
+    shared = min(len(os.path.commonprefix([_turns(chosen), _turns(rejected)])), len(chosen) - 1, len(rejected) - 1)
+    if not shared:
+        raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and the "
+                        f"conversations under {chosen_key!r} and {rejected_key!r} share no first message to take as "
+                        f"the prompt; give the prompt under {input_key!r}.")
+    return chosen[:shared]
 
 
 def check_responses_exclude_prompts(rows: list[dict], input_key: str, response_keys: tuple[str, ...], source: str):
@@ -232,12 +309,33 @@ def check_responses_exclude_prompts(rows: list[dict], input_key: str, response_k
 
 # --------------------------------------------------------------------------------------------------- rendering
 def as_messages(prompt) -> list[dict]:
-    """A prompt given as text becomes one user message; a list of messages is taken as it is."""
+    """A prompt given as text becomes one user message; a list of messages is taken as it is, with ShareGPT's
+    {"from", "value"} turns as {"role", "content"} messages (SHAREGPT_ROLES) and a content of text parts alone
+    ([{"type": "text", "text": ...}], OpenAI's) as its text: templates that trim or print a content (Llama-3's) wrote
+    the list's Python repr and trained on it."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "from" in m and "value" in m and
+                                                   "role" not in m for m in prompt):
+        prompt = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
+                   **{field: value for field, value in m.items() if field not in ("from", "value")}} for m in prompt]
     if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-        return prompt
-    raise DataError(f"expected text or a list of {{'role', 'content'}} messages, got {str(prompt)[:80]!r}.")
+        return [{**m, "content": "".join(part["text"] for part in m["content"])} if _text_parts(m["content"]) else m
+                for m in prompt]
+    raise DataError(f"expected text or a list of {{'role', 'content'}} messages (or ShareGPT's {{'from', 'value'}}), "
+                    f"got {str(prompt)[:80]!r}.")
+
+
+def _text_parts(content) -> bool:
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content)
+
+
+# ShareGPT's speakers under the roles chat templates take; others (system, tool) keep their names.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+# What an assistant message may hold besides its text, all of it the model's output: a chat template that renders
+# none of it would train the turn as the text alone (an empty turn, where the model should have called a tool).
+ASSISTANT_OUTPUT_FIELDS = ("tool_calls", "function_call", "reasoning_content", "thinking")
 
 
 def check_chat_template(tokenizer) -> None:
@@ -302,6 +400,7 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        _check_renders_output(tokenizer, messages[: i + 1])
         before = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages,
                                                                                                   text)
         through = without_closing_eos(tokenizer, chat_text(tokenizer, messages[: i + 1]), text)
@@ -315,6 +414,18 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
             if end_token else -1
         spans.append((len(before), min(end, last + len(end_token)) if last >= 0 else end))
     return text, spans
+
+
+def _check_renders_output(tokenizer, messages: list[dict]) -> None:
+    """A DataError where the chat template leaves out what the last (assistant) message holds besides its text (its
+    tool calls, its reasoning): the turn would be trained as the text alone."""
+    last = messages[-1]
+    for field in ASSISTANT_OUTPUT_FIELDS:
+        if last.get(field) and chat_text(tokenizer, messages) == chat_text(
+                tokenizer, messages[:-1] + [{key: value for key, value in last.items() if key != field}]):
+            raise DataError(f"the chat template does not render the {field!r} of assistant turn {len(messages) - 1}, "
+                            f"which would be trained as its text alone; give a model whose chat template renders "
+                            f"{field!r}, or leave such turns out of the data.")
 
 
 def _opening(tokenizer, messages: list[dict], text: str) -> str:
@@ -375,12 +486,22 @@ def without_closing_eos(tokenizer, history: str, whole: str) -> str:
     return history[: -len(eos)].rstrip() if whole.startswith(history[: -len(eos)].rstrip()) else history
 
 
+def prompt_messages(prompt) -> list[dict]:
+    """A prompt as the messages a new assistant turn follows. One that ends with the assistant's turn (a whole
+    conversation, as UltraChat's messages are) is refused: the response would be a second reply after the answer."""
+    messages = as_messages(prompt)
+    if messages and messages[-1]["role"] == "assistant":
+        raise DataError("the prompt's conversation ends with an assistant turn, after which the response would be a "
+                        "second reply; end each prompt with the turn the response answers (cut the last reply off).")
+    return messages
+
+
 def render_prompt(tokenizer, prompt, apply_chat_template: bool, input_template: str | None) -> str:
     """The text a model is asked to continue: used by generation and by every prompt/response pair."""
     check_one_template(apply_chat_template, input_template)
     if apply_chat_template:
         check_chat_template(tokenizer)
-        return chat_text(tokenizer, as_messages(prompt), add_generation_prompt=True)
+        return chat_text(tokenizer, prompt_messages(prompt), add_generation_prompt=True)
     if isinstance(prompt, list):
         raise DataError("a prompt given as a list of messages needs --apply_chat_template.")
     if not isinstance(prompt, str):
@@ -399,7 +520,7 @@ def render_pair(tokenizer, prompt, response: str, apply_chat_template: bool, inp
     span is returned."""
     check_one_template(apply_chat_template, input_template)
     if apply_chat_template:
-        text, spans = render_chat(tokenizer, as_messages(prompt) + [{"role": "assistant", "content": response}])
+        text, spans = render_chat(tokenizer, prompt_messages(prompt) + [{"role": "assistant", "content": response}])
         return text, spans[-1:]
     prompt_text = render_prompt(tokenizer, prompt, False, input_template)
     text = prompt_text + response + tokenizer.eos_token
@@ -433,6 +554,7 @@ def build_sft_samples(rows, tokenizer, source, input_key, output_key, max_len, a
                         f"{'--apply_chat_template' if apply_chat_template else '--input_template'} would not change; "
                         f"leave that flag out, or leave out --pretrain_mode to train on prompt/response pairs.")
     if not pretrain_mode:
+        check_prompt_parts(rows, input_key, (output_key,), source)
         check_responses_exclude_prompts(rows, input_key, (output_key,), source)
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
@@ -471,7 +593,7 @@ def _sft_text(row, i, tokenizer, source, input_key, output_key, apply_chat_templ
         text = (tokenizer.bos_token or "") + document + tokenizer.eos_token
         spans = [(0, len(text))]
     elif isinstance(row.get(input_key), list) and output_key not in row:
-        if not _ends_with_assistant(row[input_key]):
+        if not _ends_with_assistant(as_messages(row[input_key])):
             raise DataError(f"the conversation under {input_key!r} does not end with an assistant turn to train on, "
                             f"and the row has no {output_key!r}; give the response under --output_key (e.g. "
                             f"--output_key completion), or end the conversation with the assistant's turn. The keys "
@@ -710,10 +832,13 @@ def build_preference_samples(rows, tokenizer, source, input_key, chosen_key, rej
     if not rows:
         raise DataError(f"dataset {source} is empty.")
     check_margin_key(rows, margin_key, source, log)
+    check_prompt_parts(rows, input_key, (chosen_key, rejected_key), source)
     check_responses_exclude_prompts(rows, input_key, (chosen_key, rejected_key), source)
     samples, truncated, identical, dropped = [], 0, 0, 0
     for i, row in enumerate(rows):
-        prompt = get_key(row, input_key, i, source)
+        with sample_context(source, i):
+            prompt = pair_prompt(row, input_key, chosen_key, rejected_key, i, source)
+        row = {**row, input_key: prompt}  # a prompt found in the conversations: their replies follow it (reply_of)
         chosen = get_response(row, chosen_key, i, source, input_key)
         rejected = get_response(row, rejected_key, i, source, input_key)
         if chosen == rejected:
@@ -752,6 +877,7 @@ def build_kto_samples(rows, tokenizer, source, input_key, output_key, label_key,
     """
     if not rows:
         raise DataError(f"dataset {source} is empty.")
+    check_prompt_parts(rows, input_key, (output_key, label_key), source)
     check_responses_exclude_prompts(rows, input_key, (output_key,), source)
     samples, truncated, dropped = [], 0, 0
     for i, row in enumerate(rows):
@@ -839,6 +965,7 @@ def load_prompts(args, tokenizer, source: str, split_name: str) -> list[dict]:
         raise DataError(f"prompt dataset {source} is empty.")
     prompts, skipped = [], 0
     read = args.reward_fn or args.remote_rm_url or args.env_fn  # what gets the labels: said when they are missing
+    check_prompt_parts(rows, args.input_key, (args.label_key,), source)
     labels = get_labels(rows, args.label_key, source, print if read else lambda message: None)
     from common import vlm  # (it builds on this module)
     processor = vlm.prompt_processor(args, rows, source)  # a vision-language policy's: its prompts' images

@@ -217,19 +217,20 @@ def test_truncation_and_dropping_are_counted_and_all_too_long_is_an_error(tokeni
 
 def test_responses_must_be_texts_in_every_builder(tokenizer):
     """A conversation, a null or a boolean where a response should be is refused by name, not trained on as the
-    text "['...']", "None" or "True"; a number is a response written as one."""
+    text "['...']", "None" or "True"; a number is a response written as one. (The assistant's reply given as
+    messages is a text: tests/test_data_layouts.py.)"""
     turns = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
     pairs = [{"prompt": "What is 2+3?", "chosen": 5, "rejected": "6"}, {"prompt": "hi", "chosen": turns,
                                                                         "rejected": "6"}]
     assert len(data.build_preference_samples(pairs[:1], tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64,
                                              log=lambda m: None)) == 1
-    with pytest.raises(data.DataError, match="p.jsonl, sample 1: 'chosen' must be a response text, got list .*; "
-                                             "put the conversation before it under 'prompt'"):
+    with pytest.raises(data.DataError, match=r"p.jsonl, sample 1: 'chosen' holds 2 messages \(user, assistant\) "
+                                             r"after the prompt under 'prompt'"):
         data.build_preference_samples(pairs, tokenizer, "p.jsonl", "prompt", "chosen", "rejected", 64)
-    rows = [{"prompt": "What is 2+3?", "completion": turns, "label": True}]
-    with pytest.raises(data.DataError, match="k.jsonl, sample 0: 'completion' must be a response text"):
+    rows = [{"prompt": "hi", "completion": turns, "label": True}]
+    with pytest.raises(data.DataError, match="k.jsonl, sample 0: 'completion' holds 2 messages"):
         data.build_kto_samples(rows, tokenizer, "k.jsonl", "prompt", "completion", "label", 64)
-    for value, kind in ((None, "NoneType"), (True, "bool"), (turns, "list")):
+    for value, kind in ((None, "NoneType"), (True, "bool"), ({"role": "assistant", "content": "5"}, "dict")):
         rows = [{"prompt": "What is 2+3?", "response": "5"}, {"prompt": "What is 2+3?", "response": value}]
         with pytest.raises(data.DataError, match=f"s.jsonl, sample 1: 'response' must be a response text, got {kind}"):
             data.build_sft_samples(rows, tokenizer, "s.jsonl", "prompt", "response", 64)
