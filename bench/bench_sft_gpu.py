@@ -8,6 +8,10 @@ batches in a process of its own, and reports tokens/s over the steps after the f
     plain_ours   the same model and optimizer with sft.py's loss (fp32 next-token log-probs, the attention mask)
     ds0 .. ds3   sft.py's step: common.deepspeed_utils' model and DeepSpeed engine at ZeRO stage N, sft.py's loss
                  (ds1 is what sft.py runs on one GPU)
+    *_compile    the same with each decoder layer compiled (sft.py --torch_compile; plain_compile: the plain loop's)
+
+Each variant also reports its first micro-batch's loss: the same model on the same tokens, they must agree (to bf16's
+rounding) for a faster variant to count.
 
 and one step of `--profile` (default ds1) under torch.profiler: the kernels that take the most GPU time and how long
 the CPU spent, which says whether the step waits on the GPU or on Python.
@@ -28,7 +32,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 SEQ, MICRO, BATCH = 2048, 4, 16
-VARIANTS = ["plain", "ds1", "plain_ours", "ds0", "ds2", "ds3"]
+VARIANTS = ["plain", "ds1", "plain_ours", "ds0", "ds2", "ds3", "plain_compile", "ds1_compile"]
 
 
 def batches(model_path: str, data: str, device) -> torch.Tensor:
@@ -40,8 +44,8 @@ def batches(model_path: str, data: str, device) -> torch.Tensor:
     return torch.tensor([tokenizer(t)["input_ids"][:SEQ] for t in texts], device=device)  # (BATCH, SEQ)
 
 
-def train_step_fn(variant: str, model_path: str, ids: torch.Tensor):
-    """A function running one optimizer step of `variant` over `ids`."""
+def train_step_fn(variant: str, model_path: str, ids: torch.Tensor, losses: list):
+    """A function running one optimizer step of `variant` over `ids`, appending each micro-batch's loss to `losses`."""
     from sft import forward_logprobs, sft_loss
 
     accumulation = BATCH // MICRO
@@ -58,12 +62,18 @@ def train_step_fn(variant: str, model_path: str, ids: torch.Tensor):
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
         model = model.to(ids.device).train()
+        if variant.endswith("_compile"):
+            from common.deepspeed_utils import compile_blocks
+
+            model.config.use_cache = False  # as load_model sets: a cache's layer index would give each layer a graph
+            compile_blocks(model, model_path)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
 
         def step():
             for micro in ids.split(MICRO):
                 # DeepSpeed divides each micro-batch's loss by the accumulation steps; a plain loop does it itself
-                loss = (model(input_ids=micro, labels=micro).loss if variant == "plain" else ours(model, micro))
+                loss = (ours(model, micro) if variant == "plain_ours" else model(input_ids=micro, labels=micro).loss)
+                losses.append(loss.detach())
                 loss = loss / accumulation
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -74,22 +84,24 @@ def train_step_fn(variant: str, model_path: str, ids: torch.Tensor):
     from common.deepspeed_utils import ds_config, init_distributed, init_train_engine, load_model
 
     init_distributed()
-    config = ds_config(int(variant[2:]), BATCH, MICRO, 1)
-    engine = init_train_engine(load_model(model_path, config, dropout=True), config, 1e-5, 0.0, 100, 0.0, 0.1)
+    config = ds_config(int(variant[2]), BATCH, MICRO, 1)
+    model = load_model(model_path, config, dropout=True, torch_compile=variant.endswith("_compile"))
+    engine = init_train_engine(model, config, 1e-5, 0.0, 100, 0.0, 0.1)
 
     def step():
         for micro in ids.split(MICRO):
             loss = ours(engine, micro)
             engine.backward(loss)
             engine.step()
-            loss.item()  # sft.py reads each micro-batch's loss
+            losses.append(loss.detach())  # sft.py sums them on the device, read once a step
     return step
 
 
 def run_variant(variant: str, model_path: str, data: str, steps: int, profile_out: str | None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ids = batches(model_path, data, device)
-    step = train_step_fn(variant, model_path, ids)
+    losses = []
+    step = train_step_fn(variant, model_path, ids, losses)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(steps):
@@ -100,7 +112,8 @@ def run_variant(variant: str, model_path: str, data: str, steps: int, profile_ou
         times.append(time.perf_counter() - start)
     rate = ids.numel() / (sum(times[1:]) / len(times[1:]))
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    print(json.dumps({"variant": variant, "tokens_per_s": rate, "step_s": times, "peak_gib": peak}), flush=True)
+    print(json.dumps({"variant": variant, "tokens_per_s": rate, "step_s": times, "peak_gib": peak,
+                      "first_loss": losses[0].item()}), flush=True)
     if profile_out:
         from torch.profiler import ProfilerActivity, profile
 
@@ -143,8 +156,11 @@ def main():
         rows[variant] = json.loads(lines[-1])
         row = rows[variant]
         extra = "".join("\n" + line for line in out.stdout.splitlines() if not line.startswith("{"))
-        print(f"{variant:11s} {row['tokens_per_s']:>10,.0f} tokens/s   peak {row['peak_gib']:.1f} GiB   steps "
-              f"{', '.join(f'{s:.3f}' for s in row['step_s'])} s{extra}", flush=True)
+        reference = next(iter(rows.values()))["first_loss"]  # the first variant's (plain's, by default)
+        agrees = "" if abs(row["first_loss"] - reference) <= 0.01 * abs(reference) else "   DIFFERS from the first"
+        print(f"{variant:13s} {row['tokens_per_s']:>10,.0f} tokens/s   peak {row['peak_gib']:.1f} GiB   first loss "
+              f"{row['first_loss']:.4f}{agrees}   steps {', '.join(f'{s:.3f}' for s in row['step_s'])} s{extra}",
+              flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -281,10 +281,10 @@ def compile_blocks(model, source: str) -> list[str]:
     Block by block, not the whole model: gradient checkpointing's recomputation and the scripts' own forward hooks
     stay outside the compiled code, and a padded batch's changing length costs one recompilation, after which the
     graphs take any length. Under ZeRO-3 each block becomes a leaf, gathered whole by one hook outside its compiled
-    forward: DeepSpeed's hooks on the modules inside it would break its graph into dozens. The blocks of one class share a graph
-    where their forward reads no per-layer setting (the KV cache's layer index is one: the trainers run without a
-    cache); one that does (a hybrid's layer types) gets a graph per kind, so the recompilation limit is raised to
-    the number of blocks, beyond which torch would run the rest uncompiled without an error.
+    forward: DeepSpeed's hooks on the modules inside it would break its graph into dozens. The blocks of one class
+    share a graph where their forward reads no per-layer setting (the KV cache's layer index is one: the trainers
+    run without a cache); one that does (a hybrid's layer types) gets a graph per kind, so the recompilation limit
+    is raised to the number of blocks, beyond which torch would run the rest uncompiled without an error.
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]

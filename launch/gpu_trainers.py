@@ -11,8 +11,8 @@ everything but ppo_ray.py on a ~0.9B-parameter Llama built from its config with 
     ipc         the CUDA IPC bucket transport of common/weight_sync.py between two processes on the GPU: the trainer
                 packs buckets and sends their handles, a receiver copies each one out and splits it as the vLLM
                 worker does; every tensor compared bit for bit with the saved weights, and the seconds per GB
-    throughput  sft.py at sequences of 2048, micro-batch 4: tokens/s and MFU, beside a plain transformers + torch
-                AdamW loop on the same GPU, model and shape (the limit this machine sets)
+    throughput  sft.py at sequences of 2048, micro-batch 4, as it runs by default and with --torch_compile: tokens/s
+                and MFU, beside a plain transformers + torch AdamW loop on the same GPU, model and shape
 
     python launch/gpu_trainers.py --out out/gpu_trainers                    # the ~0.9B model, on a GPU
     python launch/gpu_trainers.py --out /tmp/g --size tiny --stages trainers  # the same code on CPU, a tiny model
@@ -317,28 +317,32 @@ def plain_loop(base: str, data: str, steps: int) -> float:
 
 
 def stage_throughput(base: str, out: str, launcher: list[str]) -> dict:
+    """sft.py as it runs by default and with --torch_compile, beside the plain loop."""
     data = write_long_texts(os.path.join(out, "long.jsonl"), LONG_BATCH * LONG_STEPS, LONG_LEN)
-    cmd = [*launcher, "--master_port", "29650", os.path.join(ROOT, "sft.py"), "--pretrain", base, "--dataset", data,
-           "--pretrain_mode", "--input_key", "text", "--max_len", str(LONG_LEN), "--train_batch_size",
-           str(LONG_BATCH), "--micro_train_batch_size", str(LONG_MICRO), "--max_steps", str(LONG_STEPS),
-           "--output_dir", os.path.join(out, "throughput"), "--save_steps", "0"]
-    result = launch("throughput", cmd, out, RUN_TIMEOUT)
-    if result["rc"] != 0:
-        print(f"throughput   FAILED (rc {result['rc']}): {result['command']}\n{result['log_tail']}", flush=True)
-        return result
-    rates = [m["perf/tokens_per_sec"] for m in result["metrics"] if "perf/tokens_per_sec" in m][1:]
-    ours = sum(rates) / len(rates)
-    plain = plain_loop(base, data, LONG_STEPS) if torch.cuda.is_available() else float("nan")
     per_token = flops_per_token(base, LONG_LEN)
     mfu = lambda rate: rate * per_token / H100_BF16_FLOPS  # noqa: E731
-    result.update(sft_tokens_per_s=ours, plain_tokens_per_s=plain, sft_mfu=mfu(ours), plain_mfu=mfu(plain),
-                  flops_per_token=per_token, peak_gib=max(m.get("perf/gpu_peak_memory_gib", 0)
-                                                          for m in result["metrics"]))
-    print(f"throughput   sft.py {ours:,.0f} tokens/s (MFU {mfu(ours):.1%}), plain transformers + AdamW "
-          f"{plain:,.0f} tokens/s (MFU {mfu(plain):.1%}): sft.py at {ours / plain:.0%} of the plain loop; "
-          f"seq {LONG_LEN}, micro-batch {LONG_MICRO}, batch {LONG_BATCH}, peak {result['peak_gib']:.1f} GiB "
-          f"(MFU against {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s, {per_token / 1e9:.2f} GFLOP/token)", flush=True)
-    return result
+    plain = plain_loop(base, data, LONG_STEPS) if torch.cuda.is_available() else float("nan")
+    results = {"plain_tokens_per_s": plain, "plain_mfu": mfu(plain), "flops_per_token": per_token}
+    for name, extra in (("sft", []), ("sft_compiled", ["--torch_compile"])):
+        cmd = [*launcher, "--master_port", "29650", os.path.join(ROOT, "sft.py"), "--pretrain", base, "--dataset",
+               data, "--pretrain_mode", "--input_key", "text", "--max_len", str(LONG_LEN), "--train_batch_size",
+               str(LONG_BATCH), "--micro_train_batch_size", str(LONG_MICRO), "--max_steps", str(LONG_STEPS),
+               "--output_dir", os.path.join(out, f"throughput_{name}"), "--save_steps", "0", *extra]
+        result = launch(f"throughput_{name}", cmd, out, RUN_TIMEOUT)
+        results[name] = result
+        if result["rc"] != 0:
+            print(f"throughput   {name} FAILED (rc {result['rc']}): {result['command']}\n{result['log_tail']}",
+                  flush=True)
+            continue
+        rates = [m["perf/tokens_per_sec"] for m in result["metrics"] if "perf/tokens_per_sec" in m][1:]
+        ours = sum(rates) / len(rates)  # the first step (and with --torch_compile, its compilation) left out
+        result.update(tokens_per_s=ours, mfu=mfu(ours), peak_gib=max(m.get("perf/gpu_peak_memory_gib", 0)
+                                                                     for m in result["metrics"]))
+        print(f"throughput   {' '.join(['sft.py', *extra])}: {ours:,.0f} tokens/s (MFU {mfu(ours):.1%}), plain "
+              f"transformers + AdamW {plain:,.0f} tokens/s (MFU {mfu(plain):.1%}): {ours / plain:.0%} of the plain "
+              f"loop; seq {LONG_LEN}, micro-batch {LONG_MICRO}, batch {LONG_BATCH}, peak {result['peak_gib']:.1f} "
+              f"GiB (MFU against {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s, {per_token / 1e9:.2f} GFLOP/token)", flush=True)
+    return results
 
 
 def main():

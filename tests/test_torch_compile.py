@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from common.args import UserError, exit_if_distributed
 from common.deepspeed_utils import compile_blocks
 from common.net import free_port
+from conftest import metrics, run_script
 
 
 def test_a_model_naming_no_blocks_is_refused():
@@ -77,3 +78,18 @@ def test_compiled_layers_train_as_eager_ones_under_zero3_with_checkpointing(tiny
     for name, tensor in eager["state"].items():
         apart = ((compiled["state"][name] - tensor).abs() > 1e-4).float().mean().item()
         assert apart < 1e-3, (name, apart)
+
+
+@pytest.mark.extended
+def test_sft_with_lora_logs_the_same_losses_compiled(tiny_model, task, tmp_path):
+    """The script end to end at its one-rank default (ZeRO-1), with a LoRA adapter inside the compiled layers."""
+    losses = {}
+    for extra in ([], ["--torch_compile"]):
+        out = str(tmp_path / (extra[0][2:] if extra else "eager"))
+        run_script("sft.py", ["--pretrain", tiny_model, "--dataset", task["sft_train"], "--apply_chat_template",
+                              "--max_steps", "4", "--train_batch_size", "8", "--micro_train_batch_size", "4",
+                              "--learning_rate", "1e-3", "--lora_rank", "4", "--save_steps", "0", "--output_dir",
+                              out, *extra])
+        losses[bool(extra)] = [row["train/loss"] for row in metrics(out) if "train/loss" in row]
+    assert len(losses[False]) == 4
+    assert losses[True] == pytest.approx(losses[False], abs=1e-4)
