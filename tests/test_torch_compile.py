@@ -93,3 +93,53 @@ def test_sft_with_lora_logs_the_same_losses_compiled(tiny_model, task, tmp_path)
         losses[bool(extra)] = [row["train/loss"] for row in metrics(out) if "train/loss" in row]
     assert len(losses[False]) == 4
     assert losses[True] == pytest.approx(losses[False], abs=1e-4)
+
+
+def _loss_and_grads(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    from common.modeling import next_token_logprobs
+
+    logprobs = next_token_logprobs(model, ids, mask)
+    loss = -(logprobs * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+# What real models vary inside a block: GPT-2's Conv1D layers, a mixture of experts (fused, routed by the data),
+# sliding and full attention layers (Gemma 3, gpt-oss), convolution and attention layers of a hybrid (LFM2).
+FAMILIES = ["llama", "gpt2", "qwen3_moe", "gemma3_text", "gpt_oss", "lfm2"]
+
+
+@pytest.mark.extended  # a compilation of 10-25 s per family on two cores
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_computes_the_same_compiled(family):
+    """Loss and every gradient of a padded batch at three lengths, compiled and eager; the graphs stay few (the
+    routed experts' token counts change shapes, hence more than a dense model's two)."""
+    import torch._dynamo
+    from model_family_table import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from common.deepspeed_utils import disable_dropout
+    from common.tiny_model import build_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, build_tokenizer())).float().train()
+    model.config.use_cache = False
+    disable_dropout(model)
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    lengths = (16, 20, 24)
+    eager = [_loss_and_grads(model, ids[:, :n], mask[:, :n]) for n in lengths]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_blocks(model, family)
+    compiled = [_loss_and_grads(model, ids[:, :n], mask[:, :n]) for n in lengths]
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 8
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for (loss, grads), (compiled_loss, compiled_grads) in zip(eager, compiled):
+        assert compiled_loss == pytest.approx(loss, abs=1e-5)
+        assert compiled_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, atol=1e-5 * grad.abs().max().item() + 1e-7,
+                                       rtol=1e-4, msg=name)
