@@ -379,11 +379,17 @@ def remote_reward(url: str, prompts: list, responses: list[str], labels: list, t
 def reward_weights(weights: list[float] | None, reward_pretrain: list[str] | None, reward_fn: str | None,
                    remote_rm_url: str | None) -> list[float]:
     """One weight per reward source, in the order --reward_weights lists them: each --reward_pretrain, then
-    --reward_fn, then --remote_rm_url. The flag's weights, or 1.0 each; a run without any source, or with a weight
-    count that does not match, is refused here, before anything loads."""
+    --reward_fn, then --remote_rm_url. The flag's weights, or 1.0 each; a run without any source, with a weight
+    count that does not match, or with a --remote_rm_url that is no http(s) URL, is refused here, before anything
+    loads."""
     num_sources = len(reward_pretrain or []) + bool(reward_fn) + bool(remote_rm_url)
     if num_sources == 0:
         raise UserError("no reward source: give --reward_pretrain, --reward_fn or --remote_rm_url (or several).")
+    if remote_rm_url and not remote_rm_url.startswith(("http://", "https://")):
+        # OpenRLHF takes a file of Python there: it would fail at the first rollout's scoring, minutes in
+        local = (f"; a Python file goes to --reward_fn {remote_rm_url}:reward_func, its parameters named (prompts, "
+                 f"responses, labels) (docs/custom_reward.md)" if remote_rm_url.endswith(".py") else "")
+        raise UserError(f"--remote_rm_url {remote_rm_url} is not an http:// or https:// URL{local}.")
     if weights and len(weights) != num_sources:
         raise UserError(f"--reward_weights has {len(weights)} weights for {num_sources} reward sources; give one "
                         f"per source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url.")

@@ -334,6 +334,11 @@ def test_reward_weights_one_per_source_in_flag_order():
         rewards.reward_weights([1.0], ["a"], "f.py:g", None)
     with pytest.raises(UserError, match=r"^no reward source: give --reward_pretrain"):
         rewards.reward_weights(None, [], None, None)
+    with pytest.raises(UserError, match=r"^--remote_rm_url reward_func.py is not an http:// or https:// URL; a Python "
+                                        r"file goes to --reward_fn reward_func.py:reward_func, its parameters named"):
+        rewards.reward_weights(None, [], None, "reward_func.py")  # OpenRLHF's place for a local reward function
+    with pytest.raises(UserError, match=r"^--remote_rm_url localhost:5000/reward is not an http:// or https:// URL.$"):
+        rewards.reward_weights(None, [], None, "localhost:5000/reward")
 
 
 # ----------------------------------------------------------------------------------------- remote reward model
