@@ -55,7 +55,7 @@ def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
         if len(shape) == 0 or sum(size != 1 for size in shape) > 1:  # one number for all, or several per response
             raise UserError(f"{source} returned an array of shape {tuple(shape)}; it must return one number per "
                             f"response: a list, or an array of shape ({num_responses},).")
-        rewards = rewards.reshape(-1).tolist()
+        rewards = (rewards.reshape(-1) if len(shape) > 1 else rewards).tolist()
     rewards = list(rewards)
     absent = [i for i, r in enumerate(rewards) if r is None]
     if absent:
@@ -138,8 +138,7 @@ def reward_fn_caller(fn, what: str, label_key: str):
         return fn
     kinds = {p.kind for p in parameters.values()}
     positional = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [n for n, p in parameters.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
-                                                                                          p.VAR_KEYWORD)]
+    required = required_names(parameters)
     written = f"{what} takes {inspect.signature(fn)}"
     if "queries" in parameters:
         raise UserError(f"{written}, as OpenRLHF's reward_func does, where each query is the prompt and response "
@@ -163,13 +162,18 @@ def reward_fn_caller(fn, what: str, label_key: str):
                                                     if n in names})
 
 
+def required_names(parameters) -> list[str]:
+    """The names of a signature's parameters that a call must fill: no default, not *args or **kwargs."""
+    return [n for n, p in parameters.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
+                                                                                          p.VAR_KEYWORD)]
+
+
 def trl_caller(fn, what: str, parameters, label_key: str):
     """A function written for TRL's GRPOTrainer, fn(prompts=, completions=, **columns), called as TRL calls it but
     for the columns: only --label_key's reaches a reward function here. Completions are text after a text prompt,
     [{"role": "assistant", "content": text}] after a chat prompt, as TRL gives them."""
     any_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    missing = [n for n, p in parameters.items() if p.default is p.empty and n not in ("prompts", "completions",
-               label_key) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [n for n in required_names(parameters) if n not in ("prompts", "completions", label_key)]
     needs_column = (f"; here a function written for TRL gets prompts, completions and one dataset column, "
                     f"--label_key's (now {label_key!r}), under that column's name: set --label_key to the column it "
                     f"reads (a column of dicts carries several fields)")
