@@ -15,7 +15,7 @@ from common import data, rewards
 from common.args import UserError
 from common.deadlines import DeadlinePassed
 from common.tiny_model import build_tokenizer
-from conftest import ROOT
+from conftest import ROOT, metrics, run_script
 
 PROMPTS = ["What is 2+3?", "Add 10 and 4.", "Compute 7 plus 8.", "What is 40+2?", "Add 1 and 1."]
 RESPONSES = ["5", "14 is the sum", "16", "42", ""]
@@ -410,3 +410,29 @@ def test_remote_reward_retries_server_errors_and_names_the_rest(reward_server):
     with pytest.raises(UserError, match="did not answer after 2 tries .*; check that it is running"):
         rewards.remote_reward(closed, PROMPTS, RESPONSES, LABELS, retries=2, backoff=0.01)
     assert math.isfinite(sum(rewards.remote_reward(url + "/len", PROMPTS, RESPONSES, LABELS, timeout=5)))
+
+
+@pytest.mark.extended
+def test_ppo_ray_logs_what_an_openrlhf_style_reward_function_asks_to_log(tiny_model, task, tmp_path):
+    """A TRL-style function returning OpenRLHF's dict, one GRPO step: its scores and extra_logs reach metrics.jsonl
+    in training and in evaluation, where eval/rule stays the rule's mean (a split on every "/" once wrote
+    rule/length's mean over it)."""
+    (tmp_path / "mine.py").write_text(
+        "import torch\n\nfrom common.synthetic_task import reward_fn\n\n\n"
+        "def reward(prompts, completions, **kwargs):\n"
+        "    right = torch.tensor(reward_fn(prompts, completions, kwargs['label']))\n"
+        "    lengths = torch.tensor([len(c) for c in completions])\n"
+        "    return {'rewards': right, 'scores': right / 2, 'extra_logs': {'length': lengths}}\n")
+    out = str(tmp_path / "out")
+    run_script("ppo_ray.py", ["--pretrain", tiny_model, "--prompt_data", task["prompts_train"], "--eval_prompt_data",
+                              task["prompts_eval"], "--apply_chat_template", "--output_dir", out, "--generate_max_len",
+                              "8", "--prompt_max_len", "64", "--reward_fn", f"{tmp_path}/mine.py:reward",
+                              "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "--rollout_batch_size",
+                              "8", "--train_batch_size", "32", "--micro_train_batch_size", "16", "--max_steps", "1"])
+    step, evaluation = [m for m in metrics(out) if "rewards/rule" in m][0], metrics(out)[-1]
+    for logged, prefix in ((step, "rewards/"), (evaluation, "eval/")):
+        assert logged[prefix + "rule/scores"] == pytest.approx(logged[prefix + "rule"] / 2)
+    with open(f"{out}/eval_samples.jsonl") as f:
+        responses = [json.loads(line)["response"] for line in f]
+    assert evaluation["eval/rule/length"] == pytest.approx(sum(map(len, responses)) / len(responses))
+    assert evaluation["eval/rule"] == pytest.approx(evaluation["eval/reward"])
