@@ -177,9 +177,9 @@ def trl_caller(fn, what: str, parameters, label_key: str):
     needs_column = (f"; here a function written for TRL gets prompts, completions and one dataset column, "
                     f"--label_key's (now {label_key!r}), under that column's name: set --label_key to the column it "
                     f"reads (a column of dicts carries several fields)")
-    if missing:
-        raise UserError(f"{what} takes {inspect.signature(fn)}, and TRL fills {', '.join(missing)} from its "
-                        f"dataset's columns{needs_column}.")
+    if missing:  # a dataset column, or TRL's own completion_ids or trainer_state, which nothing here has
+        raise UserError(f"{what} takes {inspect.signature(fn)}, and TRL passes {', '.join(missing)} by name, from "
+                        f"its dataset's columns or its own state{needs_column}, or give {missing[0]} a default.")
 
     def call(prompts: list, responses: list[str], labels: list):
         completions = [[{"role": "assistant", "content": r}] if isinstance(p, list) else r

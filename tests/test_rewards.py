@@ -223,8 +223,9 @@ def test_reward_function_layouts_that_would_be_read_wrong_are_refused_in_one_sen
     at_load = {
         "openrlhf_signature": r"takes \(queries, prompts, labels\), as OpenRLHF's reward_func does, .*: rename its "
                               r"parameters so",
-        "trl_other_column": r"takes \(completions, solution, \*\*kwargs\), and TRL fills solution from its dataset's "
-                            r"columns; .* --label_key's \(now 'label'\), .*: set --label_key to the column it reads",
+        "trl_other_column": r"takes \(completions, solution, \*\*kwargs\), and TRL passes solution by name, from its "
+                            r"dataset's columns or its own state; .* --label_key's \(now 'label'\), .*: set "
+                            r"--label_key to the column it reads .*, or give solution a default.$",
         "two_unnamed": r"takes \(batch, answers\); it is called as f\(prompts, responses, labels\): give it those",
         "mixed_names": r"takes \(responses, gold, prompts\), where gold is none of prompts, responses, labels; name",
         "NeedsAServer": r"the class NeedsAServer cannot be made without arguments \(.*url.*\); give its parameters "
