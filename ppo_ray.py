@@ -735,7 +735,7 @@ def evaluate(args: Args, cluster, rollouts: Rollouts, tokenizer, reward_fn, eval
     with open(os.path.join(args.output_dir, "eval_samples.jsonl"), "w") as f:
         for p, text, reward in zip(eval_prompts, texts, total.tolist()):
             f.write(json.dumps({"prompt": p["prompt"], "response": text, "reward": reward}) + "\n")
-    return {"eval/reward": total.mean(), **{"eval/" + k.split("/")[1]: v for k, v in parts.items()}}
+    return {"eval/reward": total.mean(), **{"eval/" + k.split("/", 1)[1]: v for k, v in parts.items()}}
 
 
 def train(args: Args, cluster, tokenizer, reward_fn, prompts: list[dict], eval_prompts: list[dict]) -> dict:
@@ -821,7 +821,8 @@ def main(args: Args):
     if args.dry_run:
         memory_plan.dry_run(args)
         return
-    reward_fn = rewards.load_reward_fn(args.reward_fn, timeout=args.reward_timeout) if args.reward_fn else None
+    reward_fn = rewards.load_reward_fn(args.reward_fn, args.reward_timeout, args.label_key) if args.reward_fn \
+        else None
     if args.env_fn:
         env_factory(args.env_fn)  # a wrong path or name stops the run here, before Ray starts
     if args.agent_fn:

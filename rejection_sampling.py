@@ -473,7 +473,8 @@ def main(args: Args):
         rewards.check_same_tokenizer(tokenizer, load_tokenizer(path, "--reward_pretrain"),
                                      f"--pretrain {args.pretrain}", f"--reward_pretrain {path}",
                                      args.apply_chat_template)
-    reward_fn = rewards.load_reward_fn(args.reward_fn, timeout=args.reward_timeout) if args.reward_fn else None
+    reward_fn = rewards.load_reward_fn(args.reward_fn, args.reward_timeout, args.label_key) if args.reward_fn \
+        else None
     rows = data.load_records(args.dataset, args.dataset_split)[: args.max_samples or None]
     if not rows:
         raise data.DataError(f"dataset {args.dataset} is empty.")

@@ -65,7 +65,7 @@ PROBE_NAME, PROBE_ARGUMENTS = "probe_tool", {"probe_argument": "probe value"}  #
 @functools.cache
 def agent_function(spec: str):
     """--agent_fn's function, loaded once."""
-    return rewards.load_reward_fn(spec, "--agent_fn")
+    return rewards.load_from_file(spec, "--agent_fn")
 
 
 def text_of(content) -> str:

@@ -15,7 +15,9 @@ functions, so that a Ray worker can import this module and call them:
     rewards = combine_rewards([learned, rule, remote], [1.0, 0.5, 1.0])
 """
 
+import asyncio
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -30,7 +32,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from common import data, vlm
 from common.args import UserError, check_decoder_only
-from common.deadlines import DeadlinePassed, within_deadline
+from common.deadlines import within_deadline
 from common.logging_utils import phase
 from common.modeling import sequence_rewards
 
@@ -41,10 +43,25 @@ def _short(value, limit: int = 80) -> str:
 
 
 def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
-    """`rewards` as a list of finite floats, one per response, or a UserError that says what `source` got wrong."""
+    """`rewards` as a list of finite floats, one per response, or a UserError that says what `source` got wrong.
+
+    Any sequence of numbers will do (a generator, bools, ints), and a tensor or array of one number per response:
+    shape (n,), or (n, 1) as a scoring head gives it."""
     if isinstance(rewards, (str, bytes, Mapping, set)):  # iterable, but over keys or characters: never the rewards
         raise UserError(f"{source} returned a {type(rewards).__name__}, {_short(rewards)}; it must return a list of "
                         f"numbers, one per response, in the order of the responses.")
+    shape = getattr(rewards, "shape", None)  # a torch tensor or numpy array
+    if shape is not None:
+        if len(shape) == 0 or sum(size != 1 for size in shape) > 1:  # one number for all, or several per response
+            raise UserError(f"{source} returned an array of shape {tuple(shape)}; it must return one number per "
+                            f"response: a list, or an array of shape ({num_responses},).")
+        rewards = (rewards.reshape(-1) if len(shape) > 1 else rewards).tolist()
+    rewards = list(rewards)
+    absent = [i for i, r in enumerate(rewards) if r is None]
+    if absent:
+        raise UserError(f"{source} returned None for response {absent[0]} of the batch; every response "
+                        f"needs a number (TRL adds a None to the summed reward as 0): return 0.0 where the function "
+                        f"does not apply.")
     try:
         rewards = [float(r) for r in rewards]
     except (TypeError, ValueError):
@@ -61,9 +78,13 @@ def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------- rule-based functions
-def load_reward_fn(spec: str, flag: str = "--reward_fn", timeout: float | None = None):
-    """The function named by `path/to/file.py:function`, loaded from the file by its path; with `timeout`, each
-    call that takes longer stops the run (--reward_timeout, common/deadlines.py)."""
+CONTRACT = ("prompts", "responses", "labels")  # what a reward function is called with, in this order
+OPENRLHF_KEYS = {"rewards", "scores", "extra_logs"}  # the dict an OpenRLHF reward_func may return
+
+
+def load_from_file(spec: str, flag: str):
+    """The callable named by `path/to/file.py:name` (a function, a class, an object), loaded from the file by its
+    path: --reward_fn, --env_fn and --agent_fn name the user's code this way."""
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():
         raise UserError(f"{flag} {spec!r} must be written path/to/file.py:function_name.")
@@ -78,27 +99,143 @@ def load_reward_fn(spec: str, flag: str = "--reward_fn", timeout: float | None =
         functions = sorted(k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", None)
                            == module_name)
         raise UserError(f"{flag} file {path} has no function {name!r}; it defines {functions}.")
-    if timeout is not None:
-        return within_deadline(fn, timeout, f"reward function {name}", "--reward_timeout")
     return fn
 
 
-def call_reward_fn(fn, prompts: list, responses: list[str], labels: list) -> list[float]:
-    """fn(prompts, responses, labels) checked: one finite float per response, or a UserError naming what failed.
+def load_reward_fn(spec: str, timeout: float | None = None, label_key: str = "label"):
+    """--reward_fn's function, as a function of (prompts, responses, labels) whatever way it was written: a class
+    named there is made once, without arguments; an `async def` is run to its answer; a function written for TRL or
+    in another order is called by its parameters' names (reward_fn_caller). With `timeout`, each call that takes
+    longer stops the run (--reward_timeout, common/deadlines.py)."""
+    fn, name = load_from_file(spec, "--reward_fn"), spec.rpartition(":")[2]
+    if inspect.isclass(fn):
+        try:
+            fn = fn()
+        except TypeError as e:
+            raise UserError(f"--reward_fn {spec}: the class {name} cannot be made without arguments ({e}); give its "
+                            f"parameters defaults, or name an object the file makes, or a function.") from None
+    call = reward_fn_caller(fn, f"reward function {name}", label_key)
+
+    def reward_fn(prompts: list, responses: list[str], labels: list):
+        result = call(prompts, responses, labels)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result  # in the deadline's thread: bounded
+
+    reward_fn.__name__ = name
+    if timeout is not None:
+        return within_deadline(reward_fn, timeout, f"reward function {name}", "--reward_timeout")
+    return reward_fn
+
+
+def reward_fn_caller(fn, what: str, label_key: str):
+    """fn as a function of (prompts, responses, labels), decided once from its parameters' names, so that no layout
+    is read in the wrong order: (prompts, responses, labels) or unnamed ones (a, b, c) positionally; the three names
+    in another order, or some of them, by name; TRL's (prompts, completions, **columns) by name, with chat
+    completions as messages and --label_key's column under its name. OpenRLHF's (queries, prompts, labels), where a
+    query is the rendered prompt and response in one text, and anything else, is refused in one sentence."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature: the contract's order is all there is
+        return fn
+    kinds = {p.kind for p in parameters.values()}
+    positional = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = required_names(parameters)
+    written = f"{what} takes {inspect.signature(fn)}"
+    if "queries" in parameters:
+        raise UserError(f"{written}, as OpenRLHF's reward_func does, where each query is the prompt and response "
+                        f"rendered as one text; here it is called as f(prompts, responses, labels) with each "
+                        f"response alone: rename its parameters so, and read the response from responses instead of "
+                        f"cutting it out of a query.")
+    if "completions" in parameters:
+        return trl_caller(fn, what, parameters, label_key)
+    if positional[:3] == list(CONTRACT) or not set(CONTRACT) & set(parameters):
+        if (len(positional) < 3 and inspect.Parameter.VAR_POSITIONAL not in kinds) or set(required) - set(
+                positional[:3]):
+            raise UserError(f"{written}; it is called as f(prompts, responses, labels): give it those three "
+                            f"parameters (others with defaults).")
+        return fn
+    unknown = [n for n in required if n not in CONTRACT]
+    if unknown:
+        raise UserError(f"{written}, where {', '.join(unknown)} is none of prompts, responses, labels; name its "
+                        f"parameters (prompts, responses, labels), in that order.")
+    names = [n for n in CONTRACT if n in parameters or inspect.Parameter.VAR_KEYWORD in kinds]
+    return lambda prompts, responses, labels: fn(**{n: v for n, v in zip(CONTRACT, (prompts, responses, labels))
+                                                    if n in names})
+
+
+def required_names(parameters) -> list[str]:
+    """The names of a signature's parameters that a call must fill: no default, not *args or **kwargs."""
+    return [n for n, p in parameters.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
+                                                                                          p.VAR_KEYWORD)]
+
+
+def trl_caller(fn, what: str, parameters, label_key: str):
+    """A function written for TRL's GRPOTrainer, fn(prompts=, completions=, **columns), called as TRL calls it but
+    for the columns: only --label_key's reaches a reward function here. Completions are text after a text prompt,
+    [{"role": "assistant", "content": text}] after a chat prompt, as TRL gives them."""
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    missing = [n for n in required_names(parameters) if n not in ("prompts", "completions", label_key)]
+    needs_column = (f"; here a function written for TRL gets prompts, completions and one dataset column, "
+                    f"--label_key's (now {label_key!r}), under that column's name: set --label_key to the column it "
+                    f"reads (a column of dicts carries several fields)")
+    if missing:  # a dataset column, or TRL's own completion_ids or trainer_state, which nothing here has
+        raise UserError(f"{what} takes {inspect.signature(fn)}, and TRL passes {', '.join(missing)} by name, from "
+                        f"its dataset's columns or its own state{needs_column}, or give {missing[0]} a default.")
+
+    def call(prompts: list, responses: list[str], labels: list):
+        completions = [[{"role": "assistant", "content": r}] if isinstance(p, list) else r
+                       for p, r in zip(prompts, responses)]
+        given = {"prompts": prompts, "completions": completions, label_key: labels}
+        try:
+            return fn(**{k: v for k, v in given.items() if k in parameters or any_keyword})
+        except KeyError as e:  # TRL's columns arrive in **kwargs: a read of one absent here names the column
+            column = e.args[0] if len(e.args) == 1 else None
+            if not any_keyword or not isinstance(column, str) or column in given:
+                raise
+            raise UserError(f"{what} raised KeyError {column!r}: if that is a dataset column it reads from its "
+                            f"keyword arguments, as TRL passes them{needs_column}.") from e
+
+    return call
+
+
+def reward_fn_result(result, num_responses: int, what: str) -> tuple[list[float], dict]:
+    """A reward function's answer as its rewards (check_rewards) and the means of what it asks to log: a list or
+    array of rewards logs nothing; OpenRLHF's dict {"rewards", "scores", "extra_logs": {name: values}} logs its
+    scores (OpenRLHF filters on them; here --dynamic_sampling reads the rewards) and each extra_logs entry."""
+    if not isinstance(result, Mapping):
+        return check_rewards(result, num_responses, what), {}
+    if "rewards" not in result or set(result) - OPENRLHF_KEYS or not isinstance(result.get("extra_logs", {}),
+                                                                                 Mapping):
+        raise UserError(f"{what} returned a dict, {_short(result)}; it must return a list of numbers, one per "
+                        f"response, or a dict {{'rewards': ..., 'scores': ..., 'extra_logs': {{name: values}}}} as "
+                        f"OpenRLHF's reward_func may.")
+    logs = {"scores": result["scores"]} if "scores" in result else {}
+    means = {}
+    for key, values in {**logs, **(result.get("extra_logs") or {})}.items():
+        try:
+            means[str(key)] = torch.as_tensor(values, dtype=torch.float).mean().item()
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError(f"{what} returned {key!r} = {_short(values)} to log; it must be a number, or one number "
+                            f"per response.") from None
+    return check_rewards(result["rewards"], num_responses, what), means
+
+
+def call_reward_fn(fn, prompts: list, responses: list[str], labels: list, logs: dict | None = None) -> list[float]:
+    """fn(prompts, responses, labels) checked: one finite float per response, or a UserError naming what failed;
+    the means it asks to log (reward_fn_result) go into `logs` when given.
 
     When the function raises, it is called again one sample at a time to find the sample that makes it fail.
     """
     name = f"reward function {getattr(fn, '__name__', repr(fn))}"
     try:
         rewards = fn(prompts, responses, labels)
-    except DeadlinePassed:  # calling it again, one sample at a time, would hang as long again
+    except UserError:  # a deadline passed (calling again, one sample at a time, would hang as long), or a sentence
         raise
     except Exception as batch_error:
         failing, error = None, batch_error
         for i in range(len(responses)):
             try:
                 fn(prompts[i: i + 1], responses[i: i + 1], labels[i: i + 1])
-            except DeadlinePassed:
+            except UserError:
                 raise
             except Exception as e:
                 failing, error = i, e
@@ -108,7 +245,10 @@ def call_reward_fn(fn, prompts: list, responses: list[str], labels: list) -> lis
                  else f"on a batch of {len(responses)} samples, though on none of them alone")
         raise UserError(f"{name} raised {type(error).__name__}: {error} {where}; fix the function or that sample."
                         ) from error
-    return check_rewards(rewards, len(responses), name)
+    rewards, means = reward_fn_result(rewards, len(responses), name)
+    if logs is not None:
+        logs.update(means)
+    return rewards
 
 
 # -------------------------------------------------------------------------------------------------- reward models
@@ -243,11 +383,17 @@ def remote_reward(url: str, prompts: list, responses: list[str], labels: list, t
 def reward_weights(weights: list[float] | None, reward_pretrain: list[str] | None, reward_fn: str | None,
                    remote_rm_url: str | None) -> list[float]:
     """One weight per reward source, in the order --reward_weights lists them: each --reward_pretrain, then
-    --reward_fn, then --remote_rm_url. The flag's weights, or 1.0 each; a run without any source, or with a weight
-    count that does not match, is refused here, before anything loads."""
+    --reward_fn, then --remote_rm_url. The flag's weights, or 1.0 each; a run without any source, with a weight
+    count that does not match, or with a --remote_rm_url that is no http(s) URL, is refused here, before anything
+    loads."""
     num_sources = len(reward_pretrain or []) + bool(reward_fn) + bool(remote_rm_url)
     if num_sources == 0:
         raise UserError("no reward source: give --reward_pretrain, --reward_fn or --remote_rm_url (or several).")
+    if remote_rm_url and not remote_rm_url.startswith(("http://", "https://")):
+        # OpenRLHF takes a file of Python there: it would fail at the first rollout's scoring, minutes in
+        local = (f"; a Python file goes to --reward_fn {remote_rm_url}:reward_func, its parameters named (prompts, "
+                 f"responses, labels) (docs/custom_reward.md)" if remote_rm_url.endswith(".py") else "")
+        raise UserError(f"--remote_rm_url {remote_rm_url} is not an http:// or https:// URL{local}.")
     if weights and len(weights) != num_sources:
         raise UserError(f"--reward_weights has {len(weights)} weights for {num_sources} reward sources; give one "
                         f"per source, in the order --reward_pretrain..., --reward_fn, --remote_rm_url.")
@@ -269,14 +415,16 @@ def combine_rewards(scores: list, weights: list[float], dtype: torch.dtype = tor
 def score_responses(model_scores: list, reward_fn, remote_rm_url: str | None, weights: list[float], prompts: list,
                     responses: list[str], labels: list, dtype: torch.dtype = torch.float) -> tuple[torch.Tensor, dict]:
     """The weighted sum (combine_rewards) of every reward source's score of each response, and each source's scores
-    by name (rm0, rm1, ..., rule, remote). `model_scores`: the reward models' scores, computed by the caller."""
-    sources = {f"rm{i}": scores for i, scores in enumerate(model_scores)}
+    by name (rm0, rm1, ..., rule, remote), beside the means the reward function asks to log, as rule/<name>
+    (OpenRLHF's extra_logs). `model_scores`: the reward models' scores, computed by the caller."""
+    sources, logs = {f"rm{i}": scores for i, scores in enumerate(model_scores)}, {}
     with phase("reward"):
         if reward_fn:
-            sources["rule"] = call_reward_fn(reward_fn, prompts, responses, labels)
+            sources["rule"] = call_reward_fn(reward_fn, prompts, responses, labels, logs)
         if remote_rm_url:
             sources["remote"] = remote_reward(remote_rm_url, prompts, responses, labels)
-    return combine_rewards(list(sources.values()), weights, dtype), sources
+    total = combine_rewards(list(sources.values()), weights, dtype)
+    return total, {**sources, **{f"rule/{name}": mean for name, mean in logs.items()}}
 
 
 def reward_model_batch(tokenizer, prompts: list, responses: list[str], apply_chat_template: bool,

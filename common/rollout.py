@@ -36,7 +36,7 @@ def step_prompts(args, prompts: list[dict], step: int) -> list[dict]:
 @functools.cache
 def env_factory(spec: str):
     """--env_fn's make_env, loaded once."""
-    return rewards.load_reward_fn(spec, "--env_fn")
+    return rewards.load_from_file(spec, "--env_fn")
 
 
 def sample_seeds(args, step: int, stream: str, count: int) -> list[int]:

@@ -4,6 +4,7 @@
 import json
 import math
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -12,8 +13,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common import data, rewards
 from common.args import UserError
+from common.deadlines import DeadlinePassed
 from common.tiny_model import build_tokenizer
-from conftest import ROOT
+from conftest import ROOT, metrics, run_script
 
 PROMPTS = ["What is 2+3?", "Add 10 and 4.", "Compute 7 plus 8.", "What is 40+2?", "Add 1 and 1."]
 RESPONSES = ["5", "14 is the sum", "16", "42", ""]
@@ -67,6 +69,197 @@ def test_reward_fn_mistakes_are_named(tmp_path):
         fn = rewards.load_reward_fn(f"{path}:{name}")
         with pytest.raises(UserError, match=message):
             rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS)
+
+
+# Reward functions as people write them for OpenRLHF and TRL, and other layouts nobody documented: each taken for
+# what it plainly means, or refused at load or at its first answer when it would be read wrong.
+LAYOUTS = """
+import asyncio
+
+import numpy as np
+import torch
+
+
+def right(response, label):
+    return response.split()[:1] == [label]
+
+
+def as_tensor(prompts, responses, labels):
+    return torch.tensor([float(right(r, y)) for r, y in zip(responses, labels)])
+
+
+def as_column(prompts, responses, labels):  # (n, 1), as a scoring head's logits come
+    return as_tensor(prompts, responses, labels)[:, None]
+
+
+def as_numpy(prompts, responses, labels):
+    return np.array([right(r, y) for r, y in zip(responses, labels)], dtype=np.float32)
+
+
+def as_bools(prompts, responses, labels):
+    return [right(r, y) for r, y in zip(responses, labels)]
+
+
+def as_generator(prompts, responses, labels):
+    return (int(right(r, y)) for r, y in zip(responses, labels))
+
+
+def openrlhf_dict(prompts, responses, labels):
+    rewards = as_tensor(prompts, responses, labels)
+    return {"rewards": rewards, "scores": rewards / 2, "extra_logs": {"length": torch.tensor([len(r) for r in
+                                                                                          responses]), "one": 1}}
+
+
+async def coroutine(prompts, responses, labels):
+    await asyncio.sleep(0)
+    return as_bools(prompts, responses, labels)
+
+
+class Judge:
+    def __init__(self, strict=True):
+        self.strict = strict
+
+    def __call__(self, prompts, responses, labels):
+        return as_bools(prompts, responses, labels)
+
+
+judge = Judge()
+
+
+def reordered(labels, responses, prompts):
+    return as_bools(prompts, responses, labels)
+
+
+def by_name(responses, labels):
+    return as_bools(None, responses, labels)
+
+
+def trl_text(completions, solution, **kwargs):
+    return [float(right(c, s)) for c, s in zip(completions, solution)]
+
+
+def trl_chat(prompts, completions, **kwargs):
+    assert all(p[-1]["role"] == "user" and c[0]["role"] == "assistant" for p, c in zip(prompts, completions))
+    return [float(right(c[0]["content"], y)) for c, y in zip(completions, kwargs["label"])]
+
+
+def openrlhf_signature(queries, prompts, labels):
+    return torch.tensor([float(y in q) for q, y in zip(queries, labels)])
+
+
+def trl_other_column(completions, solution, **kwargs):
+    return [1.0] * len(completions)
+
+
+def trl_reads_other_column(completions, **kwargs):
+    return [float(right(c, s)) for c, s in zip(completions, kwargs["solution"])]
+
+
+def two_unnamed(batch, answers):
+    return [1.0] * len(batch)
+
+
+def mixed_names(responses, gold, prompts):
+    return [1.0] * len(responses)
+
+
+class NeedsAServer:
+    def __init__(self, url):
+        self.url = url
+
+
+def pairs(prompts, responses, labels):
+    return np.ones((len(responses), 2))
+
+
+def one_number(prompts, responses, labels):
+    return torch.tensor(0.6)
+
+
+def not_applicable(prompts, responses, labels):  # TRL's multi-reward convention
+    return [float(right(r, y)) if y != "15" else None for r, y in zip(responses, labels)]
+
+
+def misspelled_dict(prompts, responses, labels):
+    return {"rewards": as_tensor(prompts, responses, labels), "extra_log": {}}
+
+
+def text_to_log(prompts, responses, labels):
+    return {"rewards": as_tensor(prompts, responses, labels), "extra_logs": {"verdict": ["yes"] * len(responses)}}
+
+
+async def slow(prompts, responses, labels):
+    await asyncio.sleep(3)
+    return as_bools(prompts, responses, labels)
+"""
+
+
+def test_reward_functions_written_for_openrlhf_trl_or_otherwise_score_what_they_mean(tmp_path):
+    """Every layout that means one number per response scores the same five samples the same; OpenRLHF's dict logs
+    its scores and extra_logs through score_responses, as ppo_ray.py logs each source (rewards/rule/...)."""
+    (tmp_path / "layouts.py").write_text(LAYOUTS)
+    right = [1.0, 1.0, 0.0, 1.0, 0.0]
+    for name in ("as_tensor", "as_column", "as_numpy", "as_bools", "as_generator", "openrlhf_dict", "coroutine",
+                 "Judge", "judge", "reordered", "by_name"):
+        fn = rewards.load_reward_fn(f"{tmp_path}/layouts.py:{name}", timeout=5.0)
+        assert rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS) == right, name
+    trl = rewards.load_reward_fn(f"{tmp_path}/layouts.py:trl_text", label_key="solution")
+    assert rewards.call_reward_fn(trl, PROMPTS, RESPONSES, LABELS) == right
+    chats = [[{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": p}] for p in PROMPTS]
+    trl = rewards.load_reward_fn(f"{tmp_path}/layouts.py:trl_chat")
+    assert rewards.call_reward_fn(trl, chats, RESPONSES, LABELS) == right
+    fn = rewards.load_reward_fn(f"{tmp_path}/layouts.py:openrlhf_dict")
+    total, sources = rewards.score_responses([[0.5] * 5], fn, None, [1.0, 2.0], PROMPTS, RESPONSES, LABELS)
+    assert total.tolist() == [2.5, 2.5, 0.5, 2.5, 0.5]
+    lengths = sum(map(len, RESPONSES)) / 5
+    assert sources == {"rm0": [0.5] * 5, "rule": right, "rule/scores": pytest.approx(0.3), "rule/length":
+                       pytest.approx(lengths), "rule/one": 1.0}
+
+
+def test_reward_function_layouts_that_would_be_read_wrong_are_refused_in_one_sentence(tmp_path):
+    """OpenRLHF's (queries, prompts, labels) would get the prompts as queries and the responses as prompts, and
+    still return plausible numbers; TRL's columns other than --label_key's do not reach a reward function here."""
+    (tmp_path / "layouts.py").write_text(LAYOUTS)
+    at_load = {
+        "openrlhf_signature": r"takes \(queries, prompts, labels\), as OpenRLHF's reward_func does, .*: rename its "
+                              r"parameters so",
+        "trl_other_column": r"takes \(completions, solution, \*\*kwargs\), and TRL passes solution by name, from its "
+                            r"dataset's columns or its own state; .* --label_key's \(now 'label'\), .*: set "
+                            r"--label_key to the column it reads .*, or give solution a default.$",
+        "two_unnamed": r"takes \(batch, answers\); it is called as f\(prompts, responses, labels\): give it those",
+        "mixed_names": r"takes \(responses, gold, prompts\), where gold is none of prompts, responses, labels; name",
+        "NeedsAServer": r"the class NeedsAServer cannot be made without arguments \(.*url.*\); give its parameters "
+                        r"defaults",
+    }
+    for name, message in at_load.items():
+        with pytest.raises(UserError, match=message):
+            rewards.load_reward_fn(f"{tmp_path}/layouts.py:{name}")
+    at_call = {
+        "trl_reads_other_column": r"raised KeyError 'solution': if that is a dataset column it reads from its "
+                                  r"keyword arguments, as TRL passes them; .*: set --label_key to the column",
+        "pairs": r"returned an array of shape \(5, 2\); it must return one number per response: a list, or an array "
+                 r"of shape \(5,\)",
+        "one_number": r"returned an array of shape \(\); it must return one number per response",
+        "not_applicable": r"returned None for response 2 of the batch; .*: return 0.0 where the function does not "
+                          r"apply",
+        "misspelled_dict": r"returned a dict, .*'extra_log'.*; it must return a list of numbers, one per response, "
+                           r"or a dict \{'rewards'",
+        "text_to_log": r"returned 'verdict' = \['yes', .* to log; it must be a number, or one number per response",
+    }
+    for name, message in at_call.items():
+        fn = rewards.load_reward_fn(f"{tmp_path}/layouts.py:{name}", timeout=5.0)
+        with pytest.raises(UserError, match=f"^reward function {name} {message}"):
+            rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS)
+
+
+def test_an_async_reward_function_is_held_to_its_deadline_while_it_runs(tmp_path):
+    """The coroutine runs inside the deadline's thread: bounded while it awaits, not only while it is made."""
+    (tmp_path / "layouts.py").write_text(LAYOUTS)
+    fn = rewards.load_reward_fn(f"{tmp_path}/layouts.py:slow", timeout=0.5)
+    start = time.time()
+    with pytest.raises(DeadlinePassed, match="^reward function slow did not return within 0.5 s"):
+        rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS)
+    assert time.time() - start < 1.5
 
 
 # -------------------------------------------------------------------------------------------------- reward models
@@ -142,6 +335,11 @@ def test_reward_weights_one_per_source_in_flag_order():
         rewards.reward_weights([1.0], ["a"], "f.py:g", None)
     with pytest.raises(UserError, match=r"^no reward source: give --reward_pretrain"):
         rewards.reward_weights(None, [], None, None)
+    with pytest.raises(UserError, match=r"^--remote_rm_url reward_func.py is not an http:// or https:// URL; a Python "
+                                        r"file goes to --reward_fn reward_func.py:reward_func, its parameters named"):
+        rewards.reward_weights(None, [], None, "reward_func.py")  # OpenRLHF's place for a local reward function
+    with pytest.raises(UserError, match=r"^--remote_rm_url localhost:5000/reward is not an http:// or https:// URL.$"):
+        rewards.reward_weights(None, [], None, "localhost:5000/reward")
 
 
 # ----------------------------------------------------------------------------------------- remote reward model
@@ -213,3 +411,29 @@ def test_remote_reward_retries_server_errors_and_names_the_rest(reward_server):
     with pytest.raises(UserError, match="did not answer after 2 tries .*; check that it is running"):
         rewards.remote_reward(closed, PROMPTS, RESPONSES, LABELS, retries=2, backoff=0.01)
     assert math.isfinite(sum(rewards.remote_reward(url + "/len", PROMPTS, RESPONSES, LABELS, timeout=5)))
+
+
+@pytest.mark.extended
+def test_ppo_ray_logs_what_an_openrlhf_style_reward_function_asks_to_log(tiny_model, task, tmp_path):
+    """A TRL-style function returning OpenRLHF's dict, one GRPO step: its scores and extra_logs reach metrics.jsonl
+    in training and in evaluation, where eval/rule stays the rule's mean (a split on every "/" once wrote
+    rule/length's mean over it)."""
+    (tmp_path / "mine.py").write_text(
+        "import torch\n\nfrom common.synthetic_task import reward_fn\n\n\n"
+        "def reward(prompts, completions, **kwargs):\n"
+        "    right = torch.tensor(reward_fn(prompts, completions, kwargs['label']))\n"
+        "    lengths = torch.tensor([len(c) for c in completions])\n"
+        "    return {'rewards': right, 'scores': right / 2, 'extra_logs': {'length': lengths}}\n")
+    out = str(tmp_path / "out")
+    run_script("ppo_ray.py", ["--pretrain", tiny_model, "--prompt_data", task["prompts_train"], "--eval_prompt_data",
+                              task["prompts_eval"], "--apply_chat_template", "--output_dir", out, "--generate_max_len",
+                              "8", "--prompt_max_len", "64", "--reward_fn", f"{tmp_path}/mine.py:reward",
+                              "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4", "--rollout_batch_size",
+                              "8", "--train_batch_size", "32", "--micro_train_batch_size", "16", "--max_steps", "1"])
+    step, evaluation = [m for m in metrics(out) if "rewards/rule" in m][0], metrics(out)[-1]
+    for logged, prefix in ((step, "rewards/"), (evaluation, "eval/")):
+        assert logged[prefix + "rule/scores"] == pytest.approx(logged[prefix + "rule"] / 2)
+    with open(f"{out}/eval_samples.jsonl") as f:
+        responses = [json.loads(line)["response"] for line in f]
+    assert evaluation["eval/rule/length"] == pytest.approx(sum(map(len, responses)) / len(responses))
+    assert evaluation["eval/rule"] == pytest.approx(evaluation["eval/reward"])
