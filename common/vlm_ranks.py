@@ -28,9 +28,7 @@ def run_tower_in_every_forward(model, processor) -> None:
     without images skips the tower, as the model does by itself."""
     core, language = backbone(model), language_model(model)
     if not hasattr(core, "get_image_features") or language is None:
-        raise UserError(f"a {model.config.model_type} model has no get_image_features or no language model of its "
-                        f"text_config, so it cannot run its vision tower on a micro-batch without images, which every "
-                        f"rank must do under ZeRO-3 on several ranks: train it with --zero_stage 2, or on one rank.")
+        raise cannot_stand_in(model, "has no get_image_features or no language model of its text_config")
     from PIL import Image
 
     encoded = processor.image_processor(images=[[Image.new("RGB", *STAND_IN_IMAGE)]], return_tensors="pt")
@@ -40,9 +38,11 @@ def run_tower_in_every_forward(model, processor) -> None:
     vision_tower(model).register_forward_pre_hook(lambda *_: ran.update(tower=True))
 
     def without_images(module, args: tuple, kwargs: dict):
-        embeds = kwargs.get("inputs_embeds")  # (rows, seq, hidden)
-        if ran["tower"] or embeds is None:  # every family's backbone hands its language model the embeddings
+        if ran["tower"]:
             return None
+        embeds = kwargs.get("inputs_embeds")  # (rows, seq, hidden)
+        if embeds is None:  # BLIP's backbone: its text model is no language model fed the images' features
+            raise cannot_stand_in(model, "hands its language model no input embeddings")
         features = core.get_image_features(**{key: value.to(embeds.device) for key, value in stand_in.items()},
                                            return_dict=True)
         features = getattr(features, "pooler_output", features)  # the connector's output, what a forward merges
@@ -50,3 +50,10 @@ def run_tower_in_every_forward(model, processor) -> None:
         return args, dict(kwargs, inputs_embeds=embeds + 0 * total.to(embeds.dtype))
 
     language[1].register_forward_pre_hook(without_images, with_kwargs=True)
+
+
+def cannot_stand_in(model, why: str) -> UserError:
+    """The refusal of a family whose vision tower cannot run on a stand-in image in a forward without images."""
+    return UserError(f"a {model.config.model_type} model {why}, so it cannot run its vision tower on a micro-batch "
+                     f"without images, which every rank must do under ZeRO-3 on several ranks: train it with "
+                     f"--zero_stage 2, or on one rank.")
