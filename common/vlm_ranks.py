@@ -2,15 +2,16 @@
 
 ZeRO-3 gathers a module's partitioned weights from every rank when the module's forward starts, a collective: a rank
 whose micro-batch holds no image would skip the vision tower and the connector while the other ranks wait in their
-gathers (and, the tower trained, in the backward's gradient reduce-scatters), and the run would hang. So where ZeRO-3
-runs on several ranks, a forward that reaches the language model without having run the tower runs it there on one
-small real image, and adds its features times zero to the language model's input embeddings: every rank gathers the
-same modules in the same order as a rank with images does, the tower's and the connector's parameters get gradients
-of exactly zero, and the loss and every metric stay as they were (x + 0 = x). The image is a real one because
-Idefics3 drops all-zero padding images before its tower, which then fails on an empty batch.
+gathers (and, the tower trained, in the backward's gradient reduce-scatters): the run hangs, or stops on a collective
+whose sizes differ. So where ZeRO-3 runs on several ranks, a forward that reaches the language model without having
+run the tower runs it there on one small real image, and adds its features times zero to the language model's input
+embeddings: every rank gathers the same modules in the same order as a rank with images does, the tower's and the
+connector's parameters get gradients of exactly zero, and the loss and every metric stay as they were (x + 0 = x).
+The image is a real one because Idefics3 drops all-zero padding images before its tower, which then fails on an empty
+batch.
 """
 
-import torch
+import inspect
 
 from common.args import UserError
 from common.vlm import backbone, language_model, vision_tower
@@ -32,7 +33,8 @@ def run_tower_in_every_forward(model, processor) -> None:
     from PIL import Image
 
     encoded = processor.image_processor(images=[[Image.new("RGB", *STAND_IN_IMAGE)]], return_tensors="pt")
-    stand_in = {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}  # (1, ...) each
+    takes = inspect.signature(core.get_image_features).parameters  # pixel_values, pixel_attention_mask, image_grid_thw
+    stand_in = {key: value for key, value in encoded.items() if key in takes}  # (1, ...) each
     ran = {"tower": False}  # whether the tower ran since the backbone's forward began
     core.register_forward_pre_hook(lambda *_: ran.update(tower=False))
     vision_tower(model).register_forward_pre_hook(lambda *_: ran.update(tower=True))
@@ -41,7 +43,7 @@ def run_tower_in_every_forward(model, processor) -> None:
         if ran["tower"]:
             return None
         embeds = kwargs.get("inputs_embeds")  # (rows, seq, hidden)
-        if embeds is None:  # BLIP's backbone: its text model is no language model fed the images' features
+        if embeds is None:  # BLIP's backbone: its text model is fed no image features
             raise cannot_stand_in(model, "hands its language model no input embeddings")
         features = core.get_image_features(**{key: value.to(embeds.device) for key, value in stand_in.items()},
                                            return_dict=True)
