@@ -357,10 +357,10 @@ def test_grpo_on_two_actor_ranks_under_zero3_syncs_the_gathered_weights_and_vllm
 @pytest.mark.extended
 def test_grpo_on_two_actor_ranks_under_zero3_takes_prompts_without_images_beside_image_prompts(tiny_vlm, image_task,
                                                                                                 tmp_path):
-    """Every second prompt without its image, the actor (its tower trained) and the reference over 2 ranks under
-    ZeRO-3 in micro-batches of 4 rows, the shortest first: a rank's micro-batch of text rows runs the tower on a
-    stand-in image with weight zero (common/vlm_ranks.py) while the other rank's reads its images, so the ranks'
-    gathers pair up, and vLLM's log-probs stay the trainer's after every sync."""
+    """Every second prompt without its image, the actor (its tower trained) over 2 ranks under ZeRO-3 in
+    micro-batches of 4 rows, the shortest first: a rank's micro-batch of text rows runs the tower on a stand-in image
+    with weight zero (common/vlm_ranks.py) while the other rank's reads its images, so the ranks' gathers pair up, and
+    vLLM's log-probs stay the trainer's after every sync."""
     rows = [json.loads(line) for line in open(image_task["prompts_train"])]
     for row in rows[1::2]:
         row["prompt"] = [dict(m, content=[p for p in m["content"] if p["type"] != "image"]) for m in row["prompt"]]
