@@ -899,15 +899,23 @@ def ranks_disagree_on_images(samples: list[dict], steps: int) -> list[tuple[int,
     return found
 
 
+# The runs of rows without images beside rows with them: each script with the tower trained (its gradient reductions
+# must pair up too), and sft.py packed with the tower frozen (the connector then trains beside the language model).
+MIXED_RUNS = {"sft": ("sft.py", ["--freeze_vision_tower", "false"]),
+              "sft_packed_tower_frozen": ("sft.py", ["--packing_samples"]),
+              "dpo": ("dpo.py", ["--freeze_vision_tower", "false"]),
+              "rm": ("rm.py", ["--freeze_vision_tower", "false"])}
+
+
 @pytest.mark.slow
 @pytest.mark.extended
-@pytest.mark.parametrize("script", ["sft.py", "dpo.py", "rm.py"])
-def test_rows_without_images_beside_rows_with_them_train_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path,
-                                                                                            script):
-    """sft.py, dpo.py and rm.py on the image task with every second row's images taken out, the tower trained, 2 ranks
-    under ZeRO-3 against 1 rank: the micro-batches without an image run the tower on a stand-in image with weight zero
+@pytest.mark.parametrize("run", MIXED_RUNS)
+def test_rows_without_images_beside_rows_with_them_train_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path, run):
+    """sft.py, dpo.py and rm.py on the image task with every second row's images taken out, 2 ranks under ZeRO-3
+    against 1 rank (MIXED_RUNS): the micro-batches without an image run the tower on a stand-in image with weight zero
     (common/vlm_ranks.py), so the ranks' gathers and gradient reductions pair up, and the runs agree step by step and
-    in their saved weights, the tower trained on both."""
+    in their saved weights, the tower trained on both where the flags train it."""
+    script, flags = MIXED_RUNS[run]
     kind = "sft" if script == "sft.py" else "preference"
     dataset, eval_dataset = map(every_second_row_without_images, image_task_one_or_two_scenes(tmp_path, kind))
     processor, rows = vlm.load_processor(tiny_vlm), data.load_records(dataset)
@@ -915,11 +923,11 @@ def test_rows_without_images_beside_rows_with_them_train_under_zero3_on_two_rank
                vlm.build_vlm_preference_samples(rows, processor, dataset, "prompt", "chosen", "rejected", 64,
                                                 end_with_eos=script == "rm.py"))
     assert ranks_disagree_on_images(samples, 3)  # else this test would not meet what it checks
-    outs = one_and_two_rank_runs(script, tiny_vlm, dataset, eval_dataset, tmp_path, "--freeze_vision_tower", "false")
+    outs = one_and_two_rank_runs(script, tiny_vlm, dataset, eval_dataset, tmp_path, *flags)
     logged = {name: [m for m in metrics(out) if "train/lr" in m] for name, out in outs.items()}  # the steps' rows
     steps = {key: [[m[key] for m in logged[name]] for name in ("one", "two")]
              for key in ("train/loss", "rewards/chosen", "rewards/rejected") if key in logged["one"][0]}
-    print(f"{script} with rows without images, one rank then two: {steps}")
+    print(f"{run} with rows without images, one rank then two: {steps}")
     for key, (one, two) in steps.items():
         assert len(one) == 3 and len(set(one)) == 3, (key, one)  # the steps moved it
         assert_steps_agree(one, two)
@@ -928,9 +936,10 @@ def test_rows_without_images_beside_rows_with_them_train_under_zero3_on_two_rank
     before = load_file(os.path.join(tiny_vlm, "model.safetensors"))
     one, two = (load_file(os.path.join(outs[name], "model.safetensors")) for name in ("one", "two"))
     changed = {".".join(key.split(".")[:2]) for key in two if key in before and not torch.equal(before[key], two[key])}
-    assert changed == TRAINED - ({"lm_head.weight"} if script == "rm.py" else set()) | {"model.vision_model"}
+    tower = {"model.vision_model"} if "--freeze_vision_tower" in flags else set()
+    assert changed == TRAINED - ({"lm_head.weight"} if script == "rm.py" else set()) | tower
     diff = max((one[key] - two[key]).abs().max().item() for key in one)
-    print(f"{script} with rows without images: the two saved models' weights differ by {diff:.2e} at most")
+    print(f"{run} with rows without images: the two saved models' weights differ by {diff:.2e} at most")
     assert diff < WEIGHT_ATOL
 
 
@@ -1004,6 +1013,22 @@ def test_kto_trains_a_vlm_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path)
     pairs each prompt with its own images and another row's response), 2 ranks under ZeRO-3 against 1 rank."""
     dataset, eval_dataset = (kto_rows(f) for f in image_task_one_or_two_scenes(tmp_path, "preference"))
     assert_policy_trains_under_zero3_as_on_one_rank("kto.py", tiny_vlm, dataset, eval_dataset, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_kto_with_rows_without_images_beside_rows_with_them_trains_under_zero3_on_two_ranks_as_on_one(tiny_vlm,
+                                                                                                     tmp_path):
+    """kto.py on the image task's KTO rows with every second pair's images taken out, the tower trained, 2 ranks
+    under ZeRO-3 against 1 rank, compared as the KTO test above compares (its reference point z0 is shared by the
+    ranks' micro-batches)."""
+    dataset, eval_dataset = (kto_rows(every_second_row_without_images(f))
+                             for f in image_task_one_or_two_scenes(tmp_path, "preference"))
+    samples = vlm.build_vlm_kto_samples(data.load_records(dataset), vlm.load_processor(tiny_vlm), dataset, "prompt",
+                                        "response", "label", 64)
+    assert ranks_disagree_on_images(samples, 3)  # else this test would not meet what it checks
+    assert_policy_trains_under_zero3_as_on_one_rank("kto.py", tiny_vlm, dataset, eval_dataset, tmp_path,
+                                                    "tower_trained")
 
 
 # rm.py's ranking of the image task's held-out counts (docs/vlm.md), from an SFT that taught the tiny VLM the task
