@@ -168,11 +168,11 @@ def outside_language_model(model) -> list[str]:
     the tower would train what --freeze_vision_tower keeps, and all-linear would otherwise put one there."""
     if getattr(model.config, "vision_config", None) is None:
         return []
-    language = language_model(model)
-    if language is None:
+    found = language_model(model)
+    if found is None:
         raise UserError(f"found no language model in the {type(model).__name__} (no module built from its "
                         f"text_config) to put LoRA adapters on; train it whole, without --lora_rank.")
-    language = language[0]
+    language = found[0]
     head = model.get_output_embeddings()
     return [name for name, module in model.named_modules() if name and module is not head
             and name != language and not name.startswith(language + ".")]
