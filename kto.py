@@ -301,11 +301,9 @@ def main(args: Args):
     def load_samples(source, split):
         rows = data.load_records(source, split)
         if processor:
-            samples = vlm.build_vlm_kto_samples(rows, processor, source, args.input_key, args.output_key,
-                                                args.label_key, args.max_len,
-                                                log=lambda msg: print_rank0(launcher_rank, msg))
-            vlm.check_images_in_every_sample(samples, source, args.zero_stage, launcher_world_size)
-            return samples
+            return vlm.build_vlm_kto_samples(rows, processor, source, args.input_key, args.output_key,
+                                             args.label_key, args.max_len,
+                                             log=lambda msg: print_rank0(launcher_rank, msg))
         vlm.check_takes_images(rows, args.input_key, source, args.pretrain)
         return data.build_kto_samples(rows, tokenizer, source, args.input_key, args.output_key, args.label_key,
                                       args.max_len, args.apply_chat_template, args.input_template,

@@ -179,17 +179,14 @@ def forward_rewards(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------------------------- END ALGO LOGIC
 
 
-def load_pairs(args: Args, tokenizer, source: str, split: str, log=print, processor=None,
-               world_size: int = 1) -> list[dict]:
+def load_pairs(args: Args, tokenizer, source: str, split: str, log=print, processor=None) -> list[dict]:
     """Training or eval pairs, each response cut after its EOS, where the reward is read (common/data.py); with a
     vision-language model's processor, pairs whose prompts hold images (common/vlm.py)."""
     rows = data.load_records(source, split)
     if processor:
-        samples = vlm.build_vlm_preference_samples(rows, processor, source, args.input_key, args.chosen_key,
-                                                   args.rejected_key, args.max_len, log, args.margin_key,
-                                                   end_with_eos=True)
-        vlm.check_images_in_every_sample(samples, source, args.zero_stage, world_size)
-        return samples
+        return vlm.build_vlm_preference_samples(rows, processor, source, args.input_key, args.chosen_key,
+                                                args.rejected_key, args.max_len, log, args.margin_key,
+                                                end_with_eos=True)
     vlm.check_takes_images(rows, args.input_key, source, args.pretrain)
     return data.build_preference_samples(rows, tokenizer, source, args.input_key,
                                          args.chosen_key, args.rejected_key, args.max_len, args.apply_chat_template,
@@ -266,9 +263,9 @@ def main(args: Args):
         tokenizer.pad_token = spare[0]
 
     log = lambda msg: print_rank0(launcher_rank, msg)
-    train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log, processor, launcher_world_size)
-    eval_samples = (load_pairs(args, tokenizer, args.eval_dataset, args.eval_dataset_split, log, processor,
-                               launcher_world_size) if args.eval_dataset else [])
+    train_samples = load_pairs(args, tokenizer, args.dataset, args.dataset_split, log, processor)
+    eval_samples = (load_pairs(args, tokenizer, args.eval_dataset, args.eval_dataset_split, log, processor)
+                    if args.eval_dataset else [])
     steps_per_epoch = data.steps_per_epoch(len(train_samples), args.train_batch_size, args.dataset, "pairs", log)
     widths = [data.padded_width(s) for s in train_samples]  # a step's micro-batches are cut shortest first
     total_steps = args.max_steps or steps_per_epoch * args.max_epochs

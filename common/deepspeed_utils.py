@@ -25,6 +25,7 @@ from common.modeling import keep_router_loss
 from common.net import free_port, release_port
 from common.vlm import (complete_forward_inputs, is_vision_language, load_processor, modality_token_ids,
                         sequence_classification_class)
+from common.vlm_ranks import run_tower_in_every_forward
 
 # Parameters smaller than this stay whole on every rank under ZeRO-3: norms and biases, whose gathering would
 # cost more than it saves. Kept low so that even the tiny test model is really partitioned.
@@ -236,12 +237,13 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
     off (disable_dropout) unless `dropout`: only SFT trains with the dropout a model's config asks for. A
     vision-language model asked for as a causal LM loads whole, vision tower included, and asked for as a sequence
     classifier with the scalar head of common/vlm.py (transformers has none for it); its backbone completes the
-    inputs that its processor makes from the token ids (common/vlm.py complete_forward_inputs). `torch_compile`:
+    inputs that its processor makes from the token ids (common/vlm.py complete_forward_inputs), and under ZeRO-3 on
+    several ranks it runs its vision tower in every forward, images or not (common/vlm_ranks.py). `torch_compile`:
     compile_blocks.
     """
     check_model_path(path, flag)
     # a vision-language model's processor: the tokens of each modality, and a family it cannot serve refused first
-    modality_ids = modality_token_ids(load_processor(path, flag)) if is_vision_language(path) else None
+    processor = load_processor(path, flag) if is_vision_language(path) else None
     if model_class is AutoModelForCausalLM and is_vision_language(path):
         model_class = AutoModelForImageTextToText
     elif model_class is AutoModelForSequenceClassification and is_vision_language(path):
@@ -260,8 +262,11 @@ def load_model(path: str, config: dict, model_class=AutoModelForCausalLM, gradie
             if "attention implementation" not in str(e) or attn == "eager":
                 raise
     model._hf_ds_config = hf_ds_config
-    if modality_ids is not None:
-        complete_forward_inputs(model, modality_ids)
+    if processor is not None:
+        complete_forward_inputs(model, modality_token_ids(processor))
+    several_ranks = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if processor is not None and hf_ds_config is not None and several_ranks:
+        run_tower_in_every_forward(model, processor)  # each rank's forwards gather the tower, images or not
     if hf_ds_config is not None:
         gather_expert_blocks_whole(model)
     model.config.use_cache = False

@@ -168,15 +168,30 @@ def outside_language_model(model) -> list[str]:
     the tower would train what --freeze_vision_tower keeps, and all-linear would otherwise put one there."""
     if getattr(model.config, "vision_config", None) is None:
         return []
-    text_config = getattr(model.config, "text_config", None)
-    language = next((name for name, module in model.named_modules()
-                     if name and getattr(module, "config", None) is text_config), None)
-    if language is None:
+    found = language_model(model)
+    if found is None:
         raise UserError(f"found no language model in the {type(model).__name__} (no module built from its "
                         f"text_config) to put LoRA adapters on; train it whole, without --lora_rank.")
+    language = found[0]
     head = model.get_output_embeddings()
     return [name for name, module in model.named_modules() if name and module is not head
             and name != language and not name.startswith(language + ".")]
+
+
+def language_model(model) -> tuple[str, torch.nn.Module] | None:
+    """The name and module of a vision-language model's language model (the module built from its text_config), or
+    None."""
+    text_config = getattr(model.config, "text_config", None)
+    return next(((name, module) for name, module in model.named_modules()
+                 if name and getattr(module, "config", None) is text_config), None)
+
+
+def backbone(model) -> torch.nn.Module:
+    """A vision-language model's backbone, its AutoModel class (e.g. Idefics3Model: tower, connector, language model),
+    inside the generation or scalar-head model."""
+    from transformers import MODEL_MAPPING
+
+    return next(m for m in model.modules() if isinstance(m, MODEL_MAPPING[type(model.config)]))
 
 
 # ------------------------------------------------------------------------------- inputs the tokens decide
@@ -199,14 +214,11 @@ def complete_forward_inputs(model, modality_ids: dict[int, list[int]]) -> None:
       passes would be taken as every token's, silently, so a padded batch's are dropped and the model computes its
       own from the attention mask; a packed row (no mask, positions restarting at each sample) gets each sample's 3D
       positions as its own row would, after the 1D ones, where the model reads the sample boundaries."""
-    from transformers import MODEL_MAPPING
-
-    backbone_class = MODEL_MAPPING[type(model.config)]
-    backbone = next(m for m in model.modules() if isinstance(m, backbone_class))
-    typed = "mm_token_type_ids" in inspect.signature(backbone_class.forward).parameters
+    module = backbone(model)
+    typed = "mm_token_type_ids" in inspect.signature(type(module).forward).parameters
     hook = functools.partial(_complete_inputs, modality_ids=modality_ids if typed else None,
-                             rope_from_images=hasattr(backbone_class, "get_rope_index"))
-    backbone.register_forward_pre_hook(hook, with_kwargs=True)
+                             rope_from_images=hasattr(module, "get_rope_index"))
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _complete_inputs(backbone, args: tuple, kwargs: dict, modality_ids, rope_from_images: bool):
@@ -545,16 +557,6 @@ def check_trainer_args(args) -> bool:
         if wrong:
             raise UserError(f"--pretrain {args.pretrain} is a vision-language model, which {what}.")
     return True
-
-
-def check_images_in_every_sample(samples: list[dict], source: str, zero_stage: int, world_size: int) -> None:
-    """Refuse rows without images beside rows with them under ZeRO-3 on several ranks: a micro-batch without an image
-    skips the vision tower, whose partitioned weights the other ranks' forwards then wait forever to gather."""
-    without = sum(not (s["chosen"] if "chosen" in s else s)["images"] for s in samples)
-    if zero_stage == 3 and world_size > 1 and 0 < without < len(samples):
-        raise DataError(f"{source}: {without} of {len(samples)} rows hold no image, and under ZeRO-3 on several ranks "
-                        f"a micro-batch without one skips the vision tower while the other ranks wait to gather it; "
-                        f"give every row an image, or train with --zero_stage 2.")
 
 
 def text_reward_models(reward_pretrain: list[str] | None) -> tuple[list[str], str]:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from common import data, vlm
+from common.modeling import pack_rows
 from common.tiny_vlm import IMAGE_TOKENS, write_tiny_vlm
 
 
@@ -313,8 +314,7 @@ def test_a_vlm_reward_model_scores_each_response_at_its_eos_with_its_image_and_r
     assert AutoProcessor.from_pretrained(tmp_path / "rm").image_token == "<image>"
 
 
-def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_under_zero3_on_two_ranks(tiny_vlm,
-                                                                                                      image_dataset):
+def test_a_text_row_beside_image_rows_scores_as_it_does_alone(tiny_vlm, image_dataset):
     processor = vlm.load_processor(tiny_vlm)
     rows = data.load_records(image_dataset)[:1] + [{"prompt": "how many red squares?", "response": "3"}]
     image_sample, text_sample = vlm.build_vlm_sft_samples(rows, processor, image_dataset, "prompt", "response", 128)
@@ -325,12 +325,68 @@ def test_a_text_row_beside_image_rows_scores_as_it_does_alone_and_is_refused_und
         alone = model(input_ids=torch.tensor([image_sample["input_ids"]]),
                       **vlm.image_inputs(processor, [image_sample], packing=False)).logits
     assert (mixed[1, :alone.shape[1]] - alone[0]).abs().max() < 1e-5
-    for zero_stage, world_size in ((3, 1), (2, 2)):
-        vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, zero_stage, world_size)
-    vlm.check_images_in_every_sample([image_sample], image_dataset, 3, 2)
-    with pytest.raises(data.DataError, match=r"train.jsonl: 1 of 2 rows hold no image, and under ZeRO-3 on several "
-                                             r"ranks .* give every row an image, or train with --zero_stage 2"):
-        vlm.check_images_in_every_sample([image_sample, text_sample], image_dataset, 3, 2)
+
+
+@pytest.mark.parametrize("head, packed", [("generation", False), ("generation", True), ("scalar", False)])
+def test_a_forward_without_images_runs_the_tower_with_weight_zero_as_zero3_on_several_ranks_needs(tiny_vlm, head,
+                                                                                                   packed):
+    """common/vlm_ranks.py on one process: a text-only micro-batch's loss and the language model's gradients are what
+    they are without the stand-in tower pass, the trained tower's and the connector's gradients exactly zero (where
+    without it they are None: no rank would reduce them); a batch with an image runs the tower once, on its image."""
+    from common.modeling import next_token_logprobs, sequence_rewards
+    from common.vlm_ranks import run_tower_in_every_forward
+
+    processor = vlm.load_processor(tiny_vlm)
+    def load():
+        torch.manual_seed(SEED)  # the scalar head starts fresh: the same on both
+        if head == "generation":
+            return AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+        return vlm.sequence_classification_class(tiny_vlm).from_pretrained(tiny_vlm, num_labels=1)
+
+    plain, stand_in = load(), load()
+    run_tower_in_every_forward(stand_in, processor)
+    calls = []  # the images each tower forward of the stand-in model ran on
+    vlm.vision_tower(stand_in).register_forward_pre_hook(lambda m, args, kw: calls.append(len(kw["pixel_values"])),
+                                                         with_kwargs=True)
+    text_rows = dict(processor.tokenizer(["how many red squares?", "no"], padding=True, return_tensors="pt"))
+
+    def loss_and_grads(model, inputs):
+        model.zero_grad(set_to_none=True)
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]  # (rows, seq)
+        images = {key: value for key, value in inputs.items() if key.startswith("pixel")}
+        if head == "scalar":
+            loss = sequence_rewards(model, ids, mask, **images).square().sum()
+        elif packed:  # the rows packed into one, as --packing_samples packs them
+            row, positions, _ = pack_rows(ids, mask)
+            loss = -next_token_logprobs(model, row, None, positions, **images).sum()
+        else:
+            loss = -(next_token_logprobs(model, ids, mask, **images) * mask[:, 1:]).sum()
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    loss, grads = loss_and_grads(plain, text_rows)
+    stand_in_loss, stand_in_grads = loss_and_grads(stand_in, text_rows)
+    assert calls == [1]  # the stand-in image ran through the tower, once
+    torch.testing.assert_close(stand_in_loss, loss, rtol=0, atol=1e-6)
+    tower_and_connector = [name for name in grads if ".vision_model." in name or ".connector." in name]
+    assert tower_and_connector and all(grads[name] is None for name in tower_and_connector)
+    for name in tower_and_connector:
+        assert stand_in_grads[name] is not None and not stand_in_grads[name].any(), name
+    language = [name for name in grads if name not in tower_and_connector]
+    assert all(grads[name] is not None for name in language)
+    for name in language:
+        torch.testing.assert_close(stand_in_grads[name], grads[name], rtol=0, atol=1e-6)
+
+    calls.clear()  # a batch whose rows hold images runs the tower on them alone
+    text = processor.apply_chat_template([image_row(["x"])["prompt"][0]], add_generation_prompt=True, tokenize=False)
+    images = [[Image.new("RGB", (56, 56), colour)] for colour in ("blue", "green")]
+    encoded = dict(processor(text=[text, text], images=images, return_tensors="pt"))
+    if packed:
+        encoded.update(vlm.packed_image_inputs({k: v for k, v in encoded.items() if k.startswith("pixel")}))
+    loss, _ = loss_and_grads(plain, encoded)
+    stand_in_loss, _ = loss_and_grads(stand_in, encoded)
+    assert calls == [2]
+    torch.testing.assert_close(stand_in_loss, loss, rtol=0, atol=0)
 
 
 def test_sampling_prompts_keep_their_images_wherever_the_rows_are_written(tiny_vlm, tiny_model, image_dataset,
@@ -821,6 +877,72 @@ def test_rm_trains_a_vlm_reward_model_under_zero3_on_two_ranks_as_on_one(tiny_vl
 
 
 
+def every_second_row_without_images(task_file: str) -> str:
+    """The rows with every second one's image parts taken out of its prompt (its question and answer kept)."""
+    rows = data.load_records(task_file)
+    for row in rows[1::2]:
+        row["prompt"] = [dict(m, content=[p for p in m["content"] if p["type"] != "image"]) for m in row["prompt"]]
+    return write_jsonl(task_file.replace(".jsonl", "_half_text.jsonl"), rows)
+
+
+def ranks_disagree_on_images(samples: list[dict], steps: int) -> list[tuple[int, int]]:
+    """The (step, micro-batch) of a run on 2 ranks (8 rows a step, micro-batches of 2, as one_and_two_rank_runs)
+    where one rank's micro-batch holds no image and the other's does: where a rank skipping its tower would hang."""
+    widths, per_epoch = [data.padded_width(s) for s in samples], len(samples) // 8
+    has_image = [bool((s["chosen"] if "chosen" in s else s)["images"]) for s in samples]
+    found = []
+    for step in range(steps):
+        ranks = [data.micro_batches(len(samples), 8, 2, 2, rank, SEED, step // per_epoch, widths)[step % per_epoch]
+                 for rank in (0, 1)]
+        found += [(step, k) for k, (a, b) in enumerate(zip(*ranks))
+                  if any(has_image[i] for i in a) != any(has_image[i] for i in b)]
+    return found
+
+
+# The runs of rows without images beside rows with them: each script with the tower trained (its gradient reductions
+# must pair up too), and sft.py packed with the tower frozen (the connector then trains beside the language model).
+MIXED_RUNS = {"sft": ("sft.py", ["--freeze_vision_tower", "false"]),
+              "sft_packed_tower_frozen": ("sft.py", ["--packing_samples"]),
+              "dpo": ("dpo.py", ["--freeze_vision_tower", "false"]),
+              "rm": ("rm.py", ["--freeze_vision_tower", "false"])}
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("run", MIXED_RUNS)
+def test_rows_without_images_beside_rows_with_them_train_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path, run):
+    """sft.py, dpo.py and rm.py on the image task with every second row's images taken out, 2 ranks under ZeRO-3
+    against 1 rank (MIXED_RUNS): the micro-batches without an image run the tower on a stand-in image with weight zero
+    (common/vlm_ranks.py), so the ranks' gathers and gradient reductions pair up, and the runs agree step by step and
+    in their saved weights, the tower trained on both where the flags train it."""
+    script, flags = MIXED_RUNS[run]
+    kind = "sft" if script == "sft.py" else "preference"
+    dataset, eval_dataset = map(every_second_row_without_images, image_task_one_or_two_scenes(tmp_path, kind))
+    processor, rows = vlm.load_processor(tiny_vlm), data.load_records(dataset)
+    samples = (vlm.build_vlm_sft_samples(rows, processor, dataset, "prompt", "response", 64) if kind == "sft" else
+               vlm.build_vlm_preference_samples(rows, processor, dataset, "prompt", "chosen", "rejected", 64,
+                                                end_with_eos=script == "rm.py"))
+    assert ranks_disagree_on_images(samples, 3)  # else this test would not meet what it checks
+    outs = one_and_two_rank_runs(script, tiny_vlm, dataset, eval_dataset, tmp_path, *flags)
+    logged = {name: [m for m in metrics(out) if "train/lr" in m] for name, out in outs.items()}  # the steps' rows
+    steps = {key: [[m[key] for m in logged[name]] for name in ("one", "two")]
+             for key in ("train/loss", "rewards/chosen", "rewards/rejected") if key in logged["one"][0]}
+    print(f"{run} with rows without images, one rank then two: {steps}")
+    for key, (one, two) in steps.items():
+        assert len(one) == 3 and len(set(one)) == 3, (key, one)  # the steps moved it
+        assert_steps_agree(one, two)
+    evals = [[m["eval/loss"] for m in metrics(outs[name]) if "eval/loss" in m][-1] for name in ("one", "two")]
+    torch.testing.assert_close(evals[1], evals[0], rtol=LATER_STEPS_RTOL, atol=0)
+    before = load_file(os.path.join(tiny_vlm, "model.safetensors"))
+    one, two = (load_file(os.path.join(outs[name], "model.safetensors")) for name in ("one", "two"))
+    changed = {".".join(key.split(".")[:2]) for key in two if key in before and not torch.equal(before[key], two[key])}
+    tower = {"model.vision_model"} if "--freeze_vision_tower" in flags else set()
+    assert changed == TRAINED - ({"lm_head.weight"} if script == "rm.py" else set()) | tower
+    diff = max((one[key] - two[key]).abs().max().item() for key in one)
+    print(f"{run} with rows without images: the two saved models' weights differ by {diff:.2e} at most")
+    assert diff < WEIGHT_ATOL
+
+
 def kto_rows(preference_file: str) -> str:
     """The image task's KTO rows from its preference pairs: each prompt's count desirable (once), each wrong count
     undesirable."""
@@ -891,6 +1013,22 @@ def test_kto_trains_a_vlm_under_zero3_on_two_ranks_as_on_one(tiny_vlm, tmp_path)
     pairs each prompt with its own images and another row's response), 2 ranks under ZeRO-3 against 1 rank."""
     dataset, eval_dataset = (kto_rows(f) for f in image_task_one_or_two_scenes(tmp_path, "preference"))
     assert_policy_trains_under_zero3_as_on_one_rank("kto.py", tiny_vlm, dataset, eval_dataset, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_kto_with_rows_without_images_beside_rows_with_them_trains_under_zero3_on_two_ranks_as_on_one(tiny_vlm,
+                                                                                                     tmp_path):
+    """kto.py on the image task's KTO rows with every second pair's images taken out, the tower trained, 2 ranks
+    under ZeRO-3 against 1 rank, compared as the KTO test above compares (its reference point z0 is shared by the
+    ranks' micro-batches)."""
+    dataset, eval_dataset = (kto_rows(every_second_row_without_images(f))
+                             for f in image_task_one_or_two_scenes(tmp_path, "preference"))
+    samples = vlm.build_vlm_kto_samples(data.load_records(dataset), vlm.load_processor(tiny_vlm), dataset, "prompt",
+                                        "response", "label", 64)
+    assert ranks_disagree_on_images(samples, 3)  # else this test would not meet what it checks
+    assert_policy_trains_under_zero3_as_on_one_rank("kto.py", tiny_vlm, dataset, eval_dataset, tmp_path,
+                                                    "tower_trained")
 
 
 # rm.py's ranking of the image task's held-out counts (docs/vlm.md), from an SFT that taught the tiny VLM the task
