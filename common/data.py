@@ -207,8 +207,9 @@ PROMPT_PARTS = ("input", "context")
 def check_prompt_parts(rows: list[dict], input_key: str, other_keys: tuple[str, ...], source: str) -> None:
     """A DataError where rows hold text under one of PROMPT_PARTS that no key flag reads."""
     read = {name.strip() for name in input_key.split(",")} | set(other_keys)
-    for part in PROMPT_PARTS:
-        holding = sum(isinstance(row.get(part), str) and bool(row[part].strip()) for row in rows)
+    for part in PROMPT_PARTS:  # a conversation under input_key holds its whole prompt, and joins with no text
+        holding = sum(isinstance(row.get(part), str) and bool(row[part].strip()) and not isinstance(
+            row.get(input_key), list) for row in rows)
         if part not in read and holding:
             raise DataError(f"{source}: {holding} of {len(rows)} rows hold text under {part!r} beside the prompt "
                             f"under {input_key!r}, which would leave it out (Alpaca's and Dolly's layouts); give "
@@ -317,9 +318,17 @@ def as_messages(prompt) -> list[dict]:
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "from" in m and "value" in m and
                                                    "role" not in m for m in prompt):
-        prompt = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
+        unknown = [m["from"] for m in prompt if m["from"] not in SHAREGPT_ROLES]
+        if unknown:  # rendered as a role of that name, a model's turn ("chatgpt", "bing") was never trained on
+            raise DataError(f"ShareGPT's speaker {unknown[0]!r} is none of {', '.join(SHAREGPT_ROLES)}; rename it to "
+                            f"the one it stands for (gpt for the model's turns).")
+        prompt = [{"role": SHAREGPT_ROLES[m["from"]], "content": m["value"],
                    **{field: value for field, value in m.items() if field not in ("from", "value")}} for m in prompt]
     if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        speaker = next((m["role"] for m in prompt if m["role"] in ("human", "gpt")), None)
+        if speaker:  # a template renders it as a role of that name, which the model never meets at inference
+            raise DataError(f"a message has the role {speaker!r}, ShareGPT's name for {SHAREGPT_ROLES[speaker]!r}; "
+                            f"write {SHAREGPT_ROLES[speaker]!r}, the role chat templates take.")
         return [{**m, "content": "".join(part["text"] for part in m["content"])} if _text_parts(m["content"]) else m
                 for m in prompt]
     raise DataError(f"expected text or a list of {{'role', 'content'}} messages (or ShareGPT's {{'from', 'value'}}), "
@@ -331,8 +340,9 @@ def _text_parts(content) -> bool:
         isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content)
 
 
-# ShareGPT's speakers under the roles chat templates take; others (system, tool) keep their names.
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+# ShareGPT's speakers under the roles chat templates take; any other speaker is refused.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool", "user": "user",
+                  "assistant": "assistant"}
 # What an assistant message may hold besides its text, all of it the model's output: a chat template that renders
 # none of it would train the turn as the text alone (an empty turn, where the model should have called a tool).
 ASSISTANT_OUTPUT_FIELDS = ("tool_calls", "function_call", "reasoning_content", "thinking")

@@ -134,6 +134,29 @@ def test_a_second_part_of_the_prompt_that_no_flag_reads_is_refused(part):
                           write_rows(prompts), "train")
 
 
+def test_an_input_column_beside_a_conversation_is_no_part_of_its_prompt():
+    """Joining needs texts: --input_key messages,input, which the refusal offered, failed on the conversation."""
+    (sample,) = sft(build_tokenizer(), [{"messages": [user("What is 2+3?")], "input": "2+3", "output": "5"}],
+                    input_key="messages", output_key="output")
+    assert trained(build_tokenizer(), sample) == "5<eos>"
+
+
+@pytest.mark.parametrize("turn, refused", [
+    ({"from": "chatgpt", "value": "5"}, "ShareGPT's speaker 'chatgpt' is none of human, gpt, system, tool, user, "
+                                        "assistant; rename it"),
+    ({"role": "gpt", "content": "5"}, "a message has the role 'gpt', ShareGPT's name for 'assistant'; write "
+                                      "'assistant'")])
+def test_a_speaker_no_chat_template_takes_is_refused_not_rendered_as_a_role_of_its_name(turn, refused):
+    """ChatML rendered "<|im_start|>chatgpt": a model's turn that was never trained on, or a prompt's turn under a
+    role the model never meets at inference."""
+    first = {"from": "human", "value": "What is 2+3?"} if "from" in turn else user("What is 2+3?")
+    with pytest.raises(data.DataError, match=rf"d.jsonl, sample 0: {refused}"):
+        sft(build_tokenizer(chat_format="chatml"), [{"conversations": [first, turn]}], input_key="conversations")
+    with pytest.raises(data.DataError, match=rf"sample 0: {refused}"):
+        data.load_prompts(prompt_args(input_key="conversations", apply_chat_template=True), build_tokenizer(),
+                          write_rows([{"conversations": [turn, first]}]), "train")
+
+
 def test_a_tool_call_is_trained_as_the_assistant_s_and_the_tool_s_reply_is_not():
     call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
     messages = [user("Weather in Paris?"), {"role": "assistant", "content": None, "tool_calls": [call]},
