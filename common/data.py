@@ -189,7 +189,8 @@ def get_key(row: dict, key: str, index: int, source: str):
         parts = [get_key(row, name.strip(), index, source) for name in key.split(",")]
         if not all(isinstance(part, str) for part in parts):
             raise DataError(f"{source}, sample {index}: the keys of {key!r} must all hold texts to join, got "
-                            f"{', '.join(type(part).__name__ for part in parts)}.")
+                            f"{', '.join(type(part).__name__ for part in parts)}; write \"\" where a row has no text "
+                            f"there.")
         return "\n\n".join(part for part in parts if part.strip())
     if key not in row:
         raise DataError(
@@ -273,8 +274,9 @@ def pair_prompt(row: dict, input_key: str, chosen_key: str, rejected_key: str, i
     texts without a prompt (Anthropic's HH-RLHF) are refused: where the prompt ends in them is the data's own
     convention."""
     chosen, rejected = row.get(chosen_key), row.get(rejected_key)
-    if input_key in row or not (isinstance(chosen, list) and isinstance(rejected, list)):
-        if input_key not in row and isinstance(chosen, str) and isinstance(rejected, str):
+    given = row.get(input_key) is not None  # a null prompt (a column that other rows fill) is none
+    if given or not (isinstance(chosen, list) and isinstance(rejected, list)):
+        if not given and isinstance(chosen, str) and isinstance(rejected, str):
             raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and "
                             f"{chosen_key!r} and {rejected_key!r} are whole texts (as Anthropic's HH-RLHF stores its "
                             f"dialogues); split each pair into its prompt, up to the last reply's start, under "

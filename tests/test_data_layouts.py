@@ -128,6 +128,9 @@ def test_a_second_part_of_the_prompt_that_no_flag_reads_is_refused(part):
     with pytest.raises(data.DataError, match=rf"d.jsonl: 1 of 2 rows hold text under '{part}' beside the prompt under "
                                              rf"'instruction', .*give --input_key instruction,{part} "):
         sft(build_tokenizer(), rows, input_key="instruction", output_key="output")
+    with pytest.raises(data.DataError, match=rf"sample 0: the keys of 'instruction,{part}' must all hold texts to "
+                                             rf"join, got str, NoneType; write \"\" where a row has no text there.$"):
+        sft(build_tokenizer(), [{**rows[0], part: None}], input_key=f"instruction,{part}", output_key="output")
     prompts = [{"instruction": "Add.", part: "2 and 3", "answer": "5"}]
     with pytest.raises(data.DataError, match=rf"hold text under '{part}'"):
         data.load_prompts(prompt_args(input_key="instruction", label_key="answer"), build_tokenizer(),
@@ -218,6 +221,14 @@ def test_a_pair_of_the_same_conversation_without_a_prompt_key_is_skipped_as_iden
     rows = [PREFERENCE_LAYOUTS["conversations without a prompt key"],
             {"chosen": PROMPT + [assistant("5")], "rejected": PROMPT + [assistant("5")]}]
     assert len(pairs(build_tokenizer(), rows)) == 1
+
+
+def test_a_null_prompt_beside_two_conversations_is_found_in_them():
+    """A prompt column that other rows fill (parquet's null): it was taken as the prompt, and the sentence said the
+    conversations held 2 messages after it."""
+    row = {"prompt": None, **PREFERENCE_LAYOUTS["conversations without a prompt key"]}
+    (pair,) = pairs(build_tokenizer(), [row])
+    assert [trained(build_tokenizer(), pair[side]) for side in ("chosen", "rejected")] == ["5<eos>", "6<eos>"]
 
 
 def test_whole_dialogues_without_a_prompt_are_refused_and_train_once_split():
