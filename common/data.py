@@ -270,22 +270,30 @@ def _turns(messages: list[dict]) -> list[tuple]:
 
 def pair_prompt(row: dict, input_key: str, chosen_key: str, rejected_key: str, index: int, source: str):
     """A preference pair's prompt: row[input_key], or, where the row has none and both sides are conversations
-    (UltraFeedback-binarized's chosen and rejected without its prompt), the messages they both begin with. Two whole
-    texts without a prompt (Anthropic's HH-RLHF) are refused: where the prompt ends in them is the data's own
-    convention."""
+    (UltraFeedback-binarized's chosen and rejected without its prompt), the messages they both begin with; where the
+    row's prompt is only the first turns of two conversations that go on alike (Capybara-DPO's first message), those
+    shared turns. Two whole texts without a prompt (Anthropic's HH-RLHF) are refused: where the prompt ends in them
+    is the data's own convention."""
     chosen, rejected = row.get(chosen_key), row.get(rejected_key)
     given = row.get(input_key) is not None  # a null prompt (a column that other rows fill) is none
-    if given or not (isinstance(chosen, list) and isinstance(rejected, list)):
-        if not given and isinstance(chosen, str) and isinstance(rejected, str):
-            raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and "
-                            f"{chosen_key!r} and {rejected_key!r} are whole texts (as Anthropic's HH-RLHF stores its "
-                            f"dialogues); split each pair into its prompt, up to the last reply's start, under "
-                            f"{input_key!r} and the two replies under {chosen_key!r} and {rejected_key!r} "
-                            f"(docs/custom_dataset.md shows how).")
+    if not given and isinstance(chosen, str) and isinstance(rejected, str):
+        raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and "
+                        f"{chosen_key!r} and {rejected_key!r} are whole texts (as Anthropic's HH-RLHF stores its "
+                        f"dialogues); split each pair into its prompt, up to the last reply's start, under "
+                        f"{input_key!r} and the two replies under {chosen_key!r} and {rejected_key!r} "
+                        f"(docs/custom_dataset.md shows how).")
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
         return get_key(row, input_key, index, source)
     chosen, rejected = as_messages(chosen), as_messages(rejected)
     # the last message of each is its reply, even where the two are the same (a pair skipped as identical)
     shared = min(len(os.path.commonprefix([_turns(chosen), _turns(rejected)])), len(chosen) - 1, len(rejected) - 1)
+    if given:
+        prompt = row[input_key]
+        with contextlib.suppress(DataError):  # a prompt that is no conversation begins none
+            begins = len(as_messages(prompt))
+            if begins < shared and _turns(chosen[:begins]) == _turns(as_messages(prompt)):
+                return chosen[:shared]
+        return prompt
     if not shared:
         raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and the "
                         f"conversations under {chosen_key!r} and {rejected_key!r} share no first message to take as "

@@ -204,6 +204,17 @@ def test_preference_layouts_compare_the_two_replies_after_one_prompt(tokenizer, 
     assert ("Answer with a number." in text(tokenizer, pair["chosen"])) == (layout != "ultrafeedback binarized")
 
 
+def test_a_prompt_of_the_first_turn_runs_on_to_where_two_conversations_part(tokenizer):
+    """Capybara-DPO's layout: the prompt is the first user message, chosen and rejected whole conversations that part
+    at the last reply; the pair was refused as differing before its last turn."""
+    head = [user("What is 2+3?"), assistant("5"), user("And 4+4?")]
+    (pair,) = pairs(tokenizer, [{"prompt": "What is 2+3?", "chosen": head + [assistant("8")],
+                                 "rejected": head + [assistant("9")]}])
+    end = data.end_of_turn_token(tokenizer)
+    assert [trained(tokenizer, pair[side]) for side in ("chosen", "rejected")] == ["8" + end, "9" + end]
+    assert all("And 4+4?" in text(tokenizer, pair[side]) for side in ("chosen", "rejected"))
+
+
 def test_pairs_that_differ_before_their_last_turn_are_refused():
     """Both replies are taken after one prompt: where the conversations part earlier, the old recipe in the docs
     (prompt = chosen[:-1]) put the rejected reply after the chosen conversation."""
