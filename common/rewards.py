@@ -151,9 +151,11 @@ def reward_fn_caller(fn, what: str, label_key: str):
                         f"cutting it out of a query.")
     if "completions" in parameters:
         return trl_caller(fn, what, parameters, label_key)
-    # (prompts, *args) reads the rest from *args, in the contract's order; (prompts, *args, labels) takes labels by name
+    # (prompts, *args) reads the rest from *args, in the contract's order; (prompts, *args, labels) takes labels by
+    # name, and (prompts, *args, **kwargs) the rest by name, as it was
     in_order = positional[:3] == list(CONTRACT[: len(positional[:3])]) and set(CONTRACT) & set(parameters) <= set(
-        positional) and (len(positional) >= 3 or inspect.Parameter.VAR_POSITIONAL in kinds)
+        positional) and (len(positional) >= 3 or (inspect.Parameter.VAR_POSITIONAL in kinds and
+                                                  inspect.Parameter.VAR_KEYWORD not in kinds))
     if in_order or not set(CONTRACT) & set(parameters):
         if (len(positional) < 3 and inspect.Parameter.VAR_POSITIONAL not in kinds) or set(required) - set(
                 positional[:3]):

@@ -143,6 +143,10 @@ def labels_after_rest(prompts, responses, *rest, labels):  # labels can come by 
     return as_bools(prompts, responses, labels)
 
 
+def rest_by_name(prompts, *rest, **named):  # as before *args were read in order: the rest by name
+    return as_bools(prompts, named["responses"], named["labels"])
+
+
 def trl_text(completions, solution, **kwargs):
     return [float(right(c, s)) for c, s in zip(completions, solution)]
 
@@ -217,7 +221,8 @@ def test_reward_functions_written_for_openrlhf_trl_or_otherwise_score_what_they_
     (tmp_path / "layouts.py").write_text(LAYOUTS)
     right = [1.0, 1.0, 0.0, 1.0, 0.0]
     for name in ("as_tensor", "as_column", "as_numpy", "as_bools", "as_generator", "openrlhf_dict", "coroutine",
-                 "Judge", "judge", "reordered", "by_name", "rest_in_order", "labels_after_rest"):
+                 "Judge", "judge", "reordered", "by_name", "rest_in_order", "labels_after_rest",
+                 "rest_by_name"):
         fn = rewards.load_reward_fn(f"{tmp_path}/layouts.py:{name}", timeout=5.0)
         assert rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS) == right, name
     trl = rewards.load_reward_fn(f"{tmp_path}/layouts.py:trl_text", label_key="solution")
