@@ -133,10 +133,10 @@ def load_reward_fn(spec: str, timeout: float | None = None, label_key: str = "la
 def reward_fn_caller(fn, what: str, label_key: str):
     """fn as a function of (prompts, responses, labels), decided once from its parameters' names, so that no layout
     is read in the wrong order: (prompts, responses, labels), (prompt, response, label), unnamed ones (a, b, c) or
-    (prompts, *rest) positionally; the three names in another order, or some of them, by name; TRL's (prompts, completions, **columns) by name, with chat
-    completions as messages and --label_key's column under its name. OpenRLHF's (queries, prompts, labels), where a
-    query is the rendered prompt and response in one text, singular names in another order, and anything else, is
-    refused in one sentence."""
+    (prompts, *rest) positionally; the three names in another order, or some of them, by name; TRL's (prompts,
+    completions, **columns) by name, with chat completions as messages and --label_key's column under its name.
+    OpenRLHF's (queries, prompts, labels), where a query is the rendered prompt and response in one text, singular
+    names in another order, and anything else, is refused in one sentence."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a callable without a readable signature: the contract's order is all there is
