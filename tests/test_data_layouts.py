@@ -148,7 +148,7 @@ def test_an_input_column_beside_a_conversation_is_no_part_of_its_prompt():
     ({"from": "chatgpt", "value": "5"}, "ShareGPT's speaker 'chatgpt' is none of human, gpt, system, tool, user, "
                                         "assistant; rename it"),
     ({"role": "gpt", "content": "5"}, "a message has the role 'gpt', ShareGPT's name for 'assistant'; write "
-                                      "'assistant'")])
+                                      "'assistant'")], ids=["sharegpt speaker", "role"])
 def test_a_speaker_no_chat_template_takes_is_refused_not_rendered_as_a_role_of_its_name(turn, refused):
     """ChatML rendered "<|im_start|>chatgpt": a model's turn that was never trained on, or a prompt's turn under a
     role the model never meets at inference."""
