@@ -420,10 +420,11 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        _check_renders_output(tokenizer, messages[: i + 1])
+        rendered = chat_text(tokenizer, messages[: i + 1])
+        _check_renders_output(tokenizer, messages[: i + 1], rendered)
         before = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages,
                                                                                                   text)
-        through = without_closing_eos(tokenizer, chat_text(tokenizer, messages[: i + 1]), text)
+        through = without_closing_eos(tokenizer, rendered, text)
         if not (text.startswith(before) and text.startswith(through)):
             raise DataError(
                 "the chat template does not render a conversation's history as a prefix of the whole, so "
@@ -436,12 +437,12 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     return text, spans
 
 
-def _check_renders_output(tokenizer, messages: list[dict]) -> None:
+def _check_renders_output(tokenizer, messages: list[dict], rendered: str) -> None:
     """A DataError where the chat template leaves out what the last (assistant) message holds besides its text (its
-    tool calls, its reasoning): the turn would be trained as the text alone."""
+    tool calls, its reasoning): the turn would be trained as the text alone. `rendered`: the messages rendered."""
     last = messages[-1]
     for field in ASSISTANT_OUTPUT_FIELDS:
-        if last.get(field) and chat_text(tokenizer, messages) == chat_text(
+        if last.get(field) and rendered == chat_text(
                 tokenizer, messages[:-1] + [{key: value for key, value in last.items() if key != field}]):
             raise DataError(f"the chat template does not render the {field!r} of assistant turn {len(messages) - 1}, "
                             f"which would be trained as its text alone; give a model whose chat template renders "
