@@ -189,7 +189,8 @@ def get_key(row: dict, key: str, index: int, source: str):
         parts = [get_key(row, name.strip(), index, source) for name in key.split(",")]
         if not all(isinstance(part, str) for part in parts):
             raise DataError(f"{source}, sample {index}: the keys of {key!r} must all hold texts to join, got "
-                            f"{', '.join(type(part).__name__ for part in parts)}.")
+                            f"{', '.join(type(part).__name__ for part in parts)}; write \"\" where a row has no text "
+                            f"there.")
         return "\n\n".join(part for part in parts if part.strip())
     if key not in row:
         raise DataError(
@@ -207,8 +208,9 @@ PROMPT_PARTS = ("input", "context")
 def check_prompt_parts(rows: list[dict], input_key: str, other_keys: tuple[str, ...], source: str) -> None:
     """A DataError where rows hold text under one of PROMPT_PARTS that no key flag reads."""
     read = {name.strip() for name in input_key.split(",")} | set(other_keys)
-    for part in PROMPT_PARTS:
-        holding = sum(isinstance(row.get(part), str) and bool(row[part].strip()) for row in rows)
+    for part in PROMPT_PARTS:  # a conversation under input_key holds its whole prompt, and joins with no text
+        holding = sum(isinstance(row.get(part), str) and bool(row[part].strip()) and not isinstance(
+            row.get(input_key), list) for row in rows)
         if part not in read and holding:
             raise DataError(f"{source}: {holding} of {len(rows)} rows hold text under {part!r} beside the prompt "
                             f"under {input_key!r}, which would leave it out (Alpaca's and Dolly's layouts); give "
@@ -268,21 +270,30 @@ def _turns(messages: list[dict]) -> list[tuple]:
 
 def pair_prompt(row: dict, input_key: str, chosen_key: str, rejected_key: str, index: int, source: str):
     """A preference pair's prompt: row[input_key], or, where the row has none and both sides are conversations
-    (UltraFeedback-binarized's chosen and rejected without its prompt), the messages they both begin with. Two whole
-    texts without a prompt (Anthropic's HH-RLHF) are refused: where the prompt ends in them is the data's own
-    convention."""
+    (UltraFeedback-binarized's chosen and rejected without its prompt), the messages they both begin with; where the
+    row's prompt is only the first turns of two conversations that go on alike (Capybara-DPO's first message), those
+    shared turns. Two whole texts without a prompt (Anthropic's HH-RLHF) are refused: where the prompt ends in them
+    is the data's own convention."""
     chosen, rejected = row.get(chosen_key), row.get(rejected_key)
-    if input_key in row or not (isinstance(chosen, list) and isinstance(rejected, list)):
-        if input_key not in row and isinstance(chosen, str) and isinstance(rejected, str):
-            raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and "
-                            f"{chosen_key!r} and {rejected_key!r} are whole texts (as Anthropic's HH-RLHF stores its "
-                            f"dialogues); split each pair into its prompt, up to the last reply's start, under "
-                            f"{input_key!r} and the two replies under {chosen_key!r} and {rejected_key!r} "
-                            f"(docs/custom_dataset.md shows how).")
+    given = row.get(input_key) is not None  # a null prompt (a column that other rows fill) is none
+    if not given and isinstance(chosen, str) and isinstance(rejected, str):
+        raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and "
+                        f"{chosen_key!r} and {rejected_key!r} are whole texts (as Anthropic's HH-RLHF stores its "
+                        f"dialogues); split each pair into its prompt, up to the last reply's start, under "
+                        f"{input_key!r} and the two replies under {chosen_key!r} and {rejected_key!r} "
+                        f"(docs/custom_dataset.md shows how).")
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
         return get_key(row, input_key, index, source)
     chosen, rejected = as_messages(chosen), as_messages(rejected)
     # the last message of each is its reply, even where the two are the same (a pair skipped as identical)
     shared = min(len(os.path.commonprefix([_turns(chosen), _turns(rejected)])), len(chosen) - 1, len(rejected) - 1)
+    if given:
+        prompt = row[input_key]
+        with contextlib.suppress(DataError):  # a prompt that is no conversation begins none
+            begins = len(as_messages(prompt))
+            if begins < shared and _turns(chosen[:begins]) == _turns(as_messages(prompt)):
+                return chosen[:shared]
+        return prompt
     if not shared:
         raise DataError(f"{source}, sample {index}: no prompt under {input_key!r} (--input_key), and the "
                         f"conversations under {chosen_key!r} and {rejected_key!r} share no first message to take as "
@@ -317,9 +328,17 @@ def as_messages(prompt) -> list[dict]:
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "from" in m and "value" in m and
                                                    "role" not in m for m in prompt):
-        prompt = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
+        unknown = [m["from"] for m in prompt if m["from"] not in SHAREGPT_ROLES]
+        if unknown:  # rendered as a role of that name, a model's turn ("chatgpt", "bing") was never trained on
+            raise DataError(f"ShareGPT's speaker {unknown[0]!r} is none of {', '.join(SHAREGPT_ROLES)}; rename it to "
+                            f"the one it stands for (gpt for the model's turns).")
+        prompt = [{"role": SHAREGPT_ROLES[m["from"]], "content": m["value"],
                    **{field: value for field, value in m.items() if field not in ("from", "value")}} for m in prompt]
     if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        speaker = next((m["role"] for m in prompt if m["role"] in ("human", "gpt")), None)
+        if speaker:  # a template renders it as a role of that name, which the model never meets at inference
+            raise DataError(f"a message has the role {speaker!r}, ShareGPT's name for {SHAREGPT_ROLES[speaker]!r}; "
+                            f"write {SHAREGPT_ROLES[speaker]!r}, the role chat templates take.")
         return [{**m, "content": "".join(part["text"] for part in m["content"])} if _text_parts(m["content"]) else m
                 for m in prompt]
     raise DataError(f"expected text or a list of {{'role', 'content'}} messages (or ShareGPT's {{'from', 'value'}}), "
@@ -331,8 +350,9 @@ def _text_parts(content) -> bool:
         isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content)
 
 
-# ShareGPT's speakers under the roles chat templates take; others (system, tool) keep their names.
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+# ShareGPT's speakers under the roles chat templates take; any other speaker is refused.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool", "user": "user",
+                  "assistant": "assistant"}
 # What an assistant message may hold besides its text, all of it the model's output: a chat template that renders
 # none of it would train the turn as the text alone (an empty turn, where the model should have called a tool).
 ASSISTANT_OUTPUT_FIELDS = ("tool_calls", "function_call", "reasoning_content", "thinking")
@@ -400,10 +420,11 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        _check_renders_output(tokenizer, messages[: i + 1])
+        rendered = chat_text(tokenizer, messages[: i + 1])
+        _check_renders_output(tokenizer, messages[: i + 1], rendered)
         before = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening(tokenizer, messages,
                                                                                                   text)
-        through = without_closing_eos(tokenizer, chat_text(tokenizer, messages[: i + 1]), text)
+        through = without_closing_eos(tokenizer, rendered, text)
         if not (text.startswith(before) and text.startswith(through)):
             raise DataError(
                 "the chat template does not render a conversation's history as a prefix of the whole, so "
@@ -416,12 +437,12 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
     return text, spans
 
 
-def _check_renders_output(tokenizer, messages: list[dict]) -> None:
+def _check_renders_output(tokenizer, messages: list[dict], rendered: str) -> None:
     """A DataError where the chat template leaves out what the last (assistant) message holds besides its text (its
-    tool calls, its reasoning): the turn would be trained as the text alone."""
+    tool calls, its reasoning): the turn would be trained as the text alone. `rendered`: the messages rendered."""
     last = messages[-1]
     for field in ASSISTANT_OUTPUT_FIELDS:
-        if last.get(field) and chat_text(tokenizer, messages) == chat_text(
+        if last.get(field) and rendered == chat_text(
                 tokenizer, messages[:-1] + [{key: value for key, value in last.items() if key != field}]):
             raise DataError(f"the chat template does not render the {field!r} of assistant turn {len(messages) - 1}, "
                             f"which would be trained as its text alone; give a model whose chat template renders "

@@ -56,14 +56,16 @@ def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
             raise UserError(f"{source} returned an array of shape {tuple(shape)}; it must return one number per "
                             f"response: a list, or an array of shape ({num_responses},).")
         rewards = (rewards.reshape(-1) if len(shape) > 1 else rewards).tolist()
-    rewards = list(rewards)
-    absent = [i for i, r in enumerate(rewards) if r is None]
-    if absent:
-        raise UserError(f"{source} returned None for response {absent[0]} of the batch; every response "
-                        f"needs a number (TRL adds a None to the summed reward as 0): return 0.0 where the function "
-                        f"does not apply.")
-    try:
+    try:  # one number for the whole batch (a function written for one sample), or None, is no sequence
+        rewards = list(rewards)
+        absent = [i for i, r in enumerate(rewards) if r is None]
+        if absent:
+            raise UserError(f"{source} returned None for response {absent[0]} of the batch; every response "
+                            f"needs a number (TRL adds a None to the summed reward as 0): return 0.0 where the "
+                            f"function does not apply.")
         rewards = [float(r) for r in rewards]
+    except UserError:
+        raise
     except (TypeError, ValueError):
         raise UserError(f"{source} returned {_short(rewards)}; it must return a list of numbers, one per "
                         f"response.") from None
@@ -80,6 +82,8 @@ def check_rewards(rewards, num_responses: int, source: str) -> list[float]:
 # ------------------------------------------------------------------------------------------- rule-based functions
 CONTRACT = ("prompts", "responses", "labels")  # what a reward function is called with, in this order
 OPENRLHF_KEYS = {"rewards", "scores", "extra_logs"}  # the dict an OpenRLHF reward_func may return
+# Parameter names, singular, that say which of the contract's arguments a parameter expects (TRL's completion too)
+CONTRACT_WORDS = {"prompt": "prompts", "response": "responses", "completion": "responses", "label": "labels"}
 
 
 def load_from_file(spec: str, flag: str):
@@ -128,10 +132,11 @@ def load_reward_fn(spec: str, timeout: float | None = None, label_key: str = "la
 
 def reward_fn_caller(fn, what: str, label_key: str):
     """fn as a function of (prompts, responses, labels), decided once from its parameters' names, so that no layout
-    is read in the wrong order: (prompts, responses, labels) or unnamed ones (a, b, c) positionally; the three names
-    in another order, or some of them, by name; TRL's (prompts, completions, **columns) by name, with chat
-    completions as messages and --label_key's column under its name. OpenRLHF's (queries, prompts, labels), where a
-    query is the rendered prompt and response in one text, and anything else, is refused in one sentence."""
+    is read in the wrong order: (prompts, responses, labels), (prompt, response, label), unnamed ones (a, b, c) or
+    (prompts, *rest) positionally; the three names in another order, or some of them, by name; TRL's (prompts,
+    completions, **columns) by name, with chat completions as messages and --label_key's column under its name.
+    OpenRLHF's (queries, prompts, labels), where a query is the rendered prompt and response in one text, singular
+    names in another order, and anything else, is refused in one sentence."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a callable without a readable signature: the contract's order is all there is
@@ -147,11 +152,22 @@ def reward_fn_caller(fn, what: str, label_key: str):
                         f"cutting it out of a query.")
     if "completions" in parameters:
         return trl_caller(fn, what, parameters, label_key)
-    if positional[:3] == list(CONTRACT) or not set(CONTRACT) & set(parameters):
+    # (prompts, *args) reads the rest from *args, in the contract's order; (prompts, *args, labels) takes labels by
+    # name, and (prompts, *args, **kwargs) the rest by name, as it was
+    in_order = positional[:3] == list(CONTRACT[: len(positional[:3])]) and set(CONTRACT) & set(parameters) <= set(
+        positional) and (len(positional) >= 3 or (inspect.Parameter.VAR_POSITIONAL in kinds and
+                                                  inspect.Parameter.VAR_KEYWORD not in kinds))
+    if in_order or not set(CONTRACT) & set(parameters):
         if (len(positional) < 3 and inspect.Parameter.VAR_POSITIONAL not in kinds) or set(required) - set(
                 positional[:3]):
             raise UserError(f"{written}; it is called as f(prompts, responses, labels): give it those three "
                             f"parameters (others with defaults).")
+        for name, passed in zip(positional, CONTRACT):  # (response, prompt, label) would get the prompts as responses
+            meant = CONTRACT_WORDS.get(name.lower().removesuffix("s"))
+            if meant not in (None, passed):
+                raise UserError(f"{written}, where {name} is passed the {passed}: it is called as f(prompts, "
+                                f"responses, labels), in that order; name its parameters so, or put them in that "
+                                f"order.")
         return fn
     unknown = [n for n in required if n not in CONTRACT]
     if unknown:

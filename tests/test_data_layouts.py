@@ -128,10 +128,36 @@ def test_a_second_part_of_the_prompt_that_no_flag_reads_is_refused(part):
     with pytest.raises(data.DataError, match=rf"d.jsonl: 1 of 2 rows hold text under '{part}' beside the prompt under "
                                              rf"'instruction', .*give --input_key instruction,{part} "):
         sft(build_tokenizer(), rows, input_key="instruction", output_key="output")
+    with pytest.raises(data.DataError, match=rf"sample 0: the keys of 'instruction,{part}' must all hold texts to "
+                                             rf"join, got str, NoneType; write \"\" where a row has no text there.$"):
+        sft(build_tokenizer(), [{**rows[0], part: None}], input_key=f"instruction,{part}", output_key="output")
     prompts = [{"instruction": "Add.", part: "2 and 3", "answer": "5"}]
     with pytest.raises(data.DataError, match=rf"hold text under '{part}'"):
         data.load_prompts(prompt_args(input_key="instruction", label_key="answer"), build_tokenizer(),
                           write_rows(prompts), "train")
+
+
+def test_an_input_column_beside_a_conversation_is_no_part_of_its_prompt():
+    """Joining needs texts: --input_key messages,input, which the refusal offered, failed on the conversation."""
+    (sample,) = sft(build_tokenizer(), [{"messages": [user("What is 2+3?")], "input": "2+3", "output": "5"}],
+                    input_key="messages", output_key="output")
+    assert trained(build_tokenizer(), sample) == "5<eos>"
+
+
+@pytest.mark.parametrize("turn, refused", [
+    ({"from": "chatgpt", "value": "5"}, "ShareGPT's speaker 'chatgpt' is none of human, gpt, system, tool, user, "
+                                        "assistant; rename it"),
+    ({"role": "gpt", "content": "5"}, "a message has the role 'gpt', ShareGPT's name for 'assistant'; write "
+                                      "'assistant'")], ids=["sharegpt speaker", "role"])
+def test_a_speaker_no_chat_template_takes_is_refused_not_rendered_as_a_role_of_its_name(turn, refused):
+    """ChatML rendered "<|im_start|>chatgpt": a model's turn that was never trained on, or a prompt's turn under a
+    role the model never meets at inference."""
+    first = {"from": "human", "value": "What is 2+3?"} if "from" in turn else user("What is 2+3?")
+    with pytest.raises(data.DataError, match=rf"d.jsonl, sample 0: {refused}"):
+        sft(build_tokenizer(chat_format="chatml"), [{"conversations": [first, turn]}], input_key="conversations")
+    with pytest.raises(data.DataError, match=rf"sample 0: {refused}"):
+        data.load_prompts(prompt_args(input_key="conversations", apply_chat_template=True), build_tokenizer(),
+                          write_rows([{"conversations": [turn, first]}]), "train")
 
 
 def test_a_tool_call_is_trained_as_the_assistant_s_and_the_tool_s_reply_is_not():
@@ -178,6 +204,17 @@ def test_preference_layouts_compare_the_two_replies_after_one_prompt(tokenizer, 
     assert ("Answer with a number." in text(tokenizer, pair["chosen"])) == (layout != "ultrafeedback binarized")
 
 
+def test_a_prompt_of_the_first_turn_runs_on_to_where_two_conversations_part(tokenizer):
+    """Capybara-DPO's layout: the prompt is the first user message, chosen and rejected whole conversations that part
+    at the last reply; the pair was refused as differing before its last turn."""
+    head = [user("What is 2+3?"), assistant("5"), user("And 4+4?")]
+    (pair,) = pairs(tokenizer, [{"prompt": "What is 2+3?", "chosen": head + [assistant("8")],
+                                 "rejected": head + [assistant("9")]}])
+    end = data.end_of_turn_token(tokenizer)
+    assert [trained(tokenizer, pair[side]) for side in ("chosen", "rejected")] == ["8" + end, "9" + end]
+    assert all("And 4+4?" in text(tokenizer, pair[side]) for side in ("chosen", "rejected"))
+
+
 def test_pairs_that_differ_before_their_last_turn_are_refused():
     """Both replies are taken after one prompt: where the conversations part earlier, the old recipe in the docs
     (prompt = chosen[:-1]) put the rejected reply after the chosen conversation."""
@@ -195,6 +232,14 @@ def test_a_pair_of_the_same_conversation_without_a_prompt_key_is_skipped_as_iden
     rows = [PREFERENCE_LAYOUTS["conversations without a prompt key"],
             {"chosen": PROMPT + [assistant("5")], "rejected": PROMPT + [assistant("5")]}]
     assert len(pairs(build_tokenizer(), rows)) == 1
+
+
+def test_a_null_prompt_beside_two_conversations_is_found_in_them():
+    """A prompt column that other rows fill (parquet's null): it was taken as the prompt, and the sentence said the
+    conversations held 2 messages after it."""
+    row = {"prompt": None, **PREFERENCE_LAYOUTS["conversations without a prompt key"]}
+    (pair,) = pairs(build_tokenizer(), [row])
+    assert [trained(build_tokenizer(), pair[side]) for side in ("chosen", "rejected")] == ["5<eos>", "6<eos>"]
 
 
 def test_whole_dialogues_without_a_prompt_are_refused_and_train_once_split():

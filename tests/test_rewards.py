@@ -134,6 +134,19 @@ def by_name(responses, labels):
     return as_bools(None, responses, labels)
 
 
+def rest_in_order(prompts, *rest):  # the responses and labels come in *rest, in the contract's order
+    responses, labels = rest
+    return as_bools(prompts, responses, labels)
+
+
+def labels_after_rest(prompts, responses, *rest, labels):  # labels can come by name only
+    return as_bools(prompts, responses, labels)
+
+
+def rest_by_name(prompts, *rest, **named):  # as before *args were read in order: the rest by name
+    return as_bools(prompts, named["responses"], named["labels"])
+
+
 def trl_text(completions, solution, **kwargs):
     return [float(right(c, s)) for c, s in zip(completions, solution)]
 
@@ -161,6 +174,14 @@ def two_unnamed(batch, answers):
 
 def mixed_names(responses, gold, prompts):
     return [1.0] * len(responses)
+
+
+def singular_reordered(response, prompt, label):  # called in order, it got the prompts as responses
+    return [float(right(r, y)) for r, y in zip(response, label)]
+
+
+def one_sample(prompts, responses, labels):  # written for one sample at a time
+    return 1.0
 
 
 class NeedsAServer:
@@ -200,7 +221,8 @@ def test_reward_functions_written_for_openrlhf_trl_or_otherwise_score_what_they_
     (tmp_path / "layouts.py").write_text(LAYOUTS)
     right = [1.0, 1.0, 0.0, 1.0, 0.0]
     for name in ("as_tensor", "as_column", "as_numpy", "as_bools", "as_generator", "openrlhf_dict", "coroutine",
-                 "Judge", "judge", "reordered", "by_name"):
+                 "Judge", "judge", "reordered", "by_name", "rest_in_order", "labels_after_rest",
+                 "rest_by_name"):
         fn = rewards.load_reward_fn(f"{tmp_path}/layouts.py:{name}", timeout=5.0)
         assert rewards.call_reward_fn(fn, PROMPTS, RESPONSES, LABELS) == right, name
     trl = rewards.load_reward_fn(f"{tmp_path}/layouts.py:trl_text", label_key="solution")
@@ -228,6 +250,8 @@ def test_reward_function_layouts_that_would_be_read_wrong_are_refused_in_one_sen
                             r"--label_key to the column it reads .*, or give solution a default.$",
         "two_unnamed": r"takes \(batch, answers\); it is called as f\(prompts, responses, labels\): give it those",
         "mixed_names": r"takes \(responses, gold, prompts\), where gold is none of prompts, responses, labels; name",
+        "singular_reordered": r"takes \(response, prompt, label\), where response is passed the prompts: it is "
+                              r"called as f\(prompts, responses, labels\), in that order; name its parameters so",
         "NeedsAServer": r"the class NeedsAServer cannot be made without arguments \(.*url.*\); give its parameters "
                         r"defaults",
     }
@@ -240,6 +264,7 @@ def test_reward_function_layouts_that_would_be_read_wrong_are_refused_in_one_sen
         "pairs": r"returned an array of shape \(5, 2\); it must return one number per response: a list, or an array "
                  r"of shape \(5,\)",
         "one_number": r"returned an array of shape \(\); it must return one number per response",
+        "one_sample": r"returned 1.0; it must return a list of numbers, one per response",
         "not_applicable": r"returned None for response 2 of the batch; .*: return 0.0 where the function does not "
                           r"apply",
         "misspelled_dict": r"returned a dict, .*'extra_log'.*; it must return a list of numbers, one per response, "
