@@ -265,10 +265,11 @@ def main(args: Args):
             stats += torch.stack([loss.detach(), torch.ones_like(loss), torch.as_tensor(real_tokens).to(loss),
                                   torch.as_tensor(aux).to(loss).detach()])
         dist.all_reduce(stats)
-        metrics = {"train/loss": stats[0] / stats[1], "train/lr": lr, "train/epoch": epoch,
-                   "perf/tokens_per_sec": stats[2] / (time.time() - start)}
-        if stats[3]:
-            metrics["train/aux_loss"] = stats[3] / stats[1]
+        loss_sum, micro_batches, step_tokens, aux_sum = stats.tolist()  # waits for the step's GPU work: timed whole
+        metrics = {"train/loss": loss_sum / micro_batches, "train/lr": lr, "train/epoch": epoch,
+                   "perf/tokens_per_sec": step_tokens / (time.time() - start)}
+        if aux_sum:
+            metrics["train/aux_loss"] = aux_sum / micro_batches
         if args.eval_steps and (step + 1) % args.eval_steps == 0 and eval_samples:
             metrics["eval/loss"] = evaluate(engine, eval_samples, args, tokenizer, rank, world_size, processor)
         if (step + 1) % args.logging_steps == 0 or "eval/loss" in metrics:
