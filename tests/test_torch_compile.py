@@ -74,7 +74,7 @@ def test_compiled_layers_train_as_eager_ones_under_zero3_with_checkpointing(tiny
     assert 1 <= compiled["graphs"] <= 2 < compiled["layers"], compiled["graphs"]
     assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-5)
     # Adam's step is lr x the sign of a gradient near zero: a rounding there moves an element by up to lr (1e-2), so
-    # the weights are compared element by element, a few such elements allowed (about 1 in 20,000 seen)
+    # the weights are compared element by element, a few such elements allowed (beyond 1e-5: at most 6 in 10,000 seen)
     for name, tensor in eager["state"].items():
         apart = ((compiled["state"][name] - tensor).abs() > 1e-4).float().mean().item()
         assert apart < 1e-3, (name, apart)
